@@ -1,0 +1,7 @@
+"""Entry point for ``python -m cost_model``."""
+
+import sys
+
+from cost_model.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""Read the benchmark's JSON (schema bundle-bench/1) into a ServiceProfile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cost_model.errors import CostModelError
+from cost_model.service import ServiceProfile, ThroughputPoint
+
+PREFERRED_TARGET = "bundle"
+
+
+def _pick_target(targets: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if PREFERRED_TARGET in targets:
+        return PREFERRED_TARGET, targets[PREFERRED_TARGET]
+    name = next(iter(targets))
+    return name, targets[name]
+
+
+def _point(level: dict[str, Any]) -> ThroughputPoint | None:
+    conc = float(level["concurrency"])
+    per_stream = level.get("per_stream_tokens_per_s")
+    if not per_stream:
+        # Fall back to the aggregate split evenly when the median per-stream rate is missing.
+        aggregate = float(level.get("output_tokens_per_s") or 0.0)
+        per_stream = aggregate / conc if conc else 0.0
+    if per_stream <= 0:
+        return None  # a level that produced nothing (e.g. all errors) carries no information
+    ttft = (level.get("ttft_s") or {}).get("p50")
+    return ThroughputPoint(
+        concurrency=conc, per_stream_tokens_per_s=float(per_stream),
+        ttft_s=None if ttft is None else float(ttft),
+    )
+
+
+def profile_from_bench(data: dict[str, Any], cold_start_s: float | None = None) -> ServiceProfile:
+    """Convert a parsed benchmark document; extra keys are ignored."""
+    try:
+        name, target = _pick_target(data["targets"])
+        levels = target["levels"]
+        points = [p for p in (_point(lv) for lv in levels) if p is not None]
+        points.sort(key=lambda p: p.concurrency)
+        cold = data.get("cold_start_s") if cold_start_s is None else cold_start_s
+        return ServiceProfile(
+            points=tuple(points), ttft_s=points[0].ttft_s or 0.0 if points else 0.0,
+            cold_start_s=float(cold or 0.0),
+            label=f"bench {data.get('model', '?')} on {data.get('machine', '?')} ({name})",
+        )
+    except (KeyError, TypeError, StopIteration, AttributeError) as exc:
+        raise CostModelError(f"malformed benchmark JSON: missing or wrong field {exc}") from None
+    except ValueError as exc:
+        raise CostModelError(f"malformed benchmark JSON: {str(exc).splitlines()[0]}") from None
+
+
+def load_bench(path: Path, cold_start_s: float | None = None) -> ServiceProfile:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CostModelError(f"benchmark file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CostModelError(f"cannot read benchmark file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CostModelError(f"malformed benchmark JSON {path}: top level must be an object")
+    return profile_from_bench(data, cold_start_s)

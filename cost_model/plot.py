@@ -1,0 +1,48 @@
+"""Monthly cost against request rate, one line per entry, break-evens marked (--plot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cost_model.analysis import RATE_RANGE, Analysis
+from cost_model.breakeven import log_grid
+from cost_model.catalogue import Catalogue, Entry
+from cost_model.estimate import monthly_cost
+
+POINTS = 200
+
+
+def write_plot(path: Path, cat: Catalogue, entries: list[Entry], an: Analysis) -> None:
+    # Imported here so that the rest of the tool never pays for (or needs) matplotlib.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = log_grid(*RATE_RANGE, POINTS)
+    fig, ax = plt.subplots(figsize=(11, 7))
+    for entry in entries:
+        costs = [monthly_cost(cat, entry, an.workload, an.service, an.overrides, r) for r in rates]
+        width = 2.4 if entry in an.representatives.values() else 1.0
+        ax.plot(rates, costs, label=f"{entry.id} ({entry.kind})", linewidth=width)
+    for be in an.break_evens:
+        ax.plot([be.requests_per_day], [be.monthly_cost], "ko", markersize=7)
+        ax.annotate(f"{be.requests_per_day:,.0f}/day", (be.requests_per_day, be.monthly_cost),
+                    textcoords="offset points", xytext=(6, -12), fontsize=8)
+    ax.axvline(an.workload.requests_per_day, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("requests per day")
+    ax.set_ylabel("USD per month")
+    ax.set_title("Monthly cost by billing option (black dots: break-evens between modes; dashed: this workload)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        from cost_model.errors import CostModelError
+
+        raise CostModelError(f"cannot write plot {path}: {exc}") from None
+    finally:
+        plt.close(fig)

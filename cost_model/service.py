@@ -1,0 +1,120 @@
+"""How fast one replica serves requests, as a function of how many streams share it."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cost_model.errors import CostModelError
+
+
+class ThroughputPoint(BaseModel):
+    """One measured concurrency level."""
+
+    model_config = ConfigDict(frozen=True)
+    concurrency: Annotated[float, Field(ge=1)]
+    per_stream_tokens_per_s: Annotated[float, Field(gt=0)]
+    ttft_s: Annotated[float, Field(ge=0)] | None = None
+
+
+class ServiceProfile(BaseModel):
+    """Throughput-vs-concurrency curve plus latency to first token and cold-start time.
+
+    Between measured points the per-stream rate is interpolated linearly. Below the first
+    point it is held. Above the last point the *aggregate* rate is held (more streams only
+    split the same tokens/s), and the queueing model never credits concurrency beyond the
+    last measured level, because nothing says the GPU can do better there.
+    """
+
+    model_config = ConfigDict(frozen=True)
+    points: tuple[ThroughputPoint, ...]
+    ttft_s: Annotated[float, Field(ge=0)] = 0.0
+    cold_start_s: Annotated[float, Field(ge=0)] = 0.0
+    label: str = "flags"
+
+    @model_validator(mode="after")
+    def _sorted_unique(self) -> ServiceProfile:
+        if not self.points:
+            raise ValueError("the throughput curve needs at least one point")
+        levels = [p.concurrency for p in self.points]
+        if levels != sorted(set(levels)):
+            raise ValueError("throughput points must have distinct, increasing concurrency")
+        return self
+
+    @property
+    def max_measured_concurrency(self) -> float:
+        # A single point says nothing about saturation, so it does not cap concurrency.
+        return math.inf if len(self.points) == 1 else self.points[-1].concurrency
+
+    def per_stream_rate(self, concurrency: float) -> float:
+        pts = self.points
+        if concurrency <= pts[0].concurrency:
+            return pts[0].per_stream_tokens_per_s
+        last = pts[-1]
+        if concurrency >= last.concurrency:
+            if len(pts) == 1:
+                return last.per_stream_tokens_per_s
+            return last.per_stream_tokens_per_s * last.concurrency / concurrency
+        i = bisect_right([p.concurrency for p in pts], concurrency)
+        lo, hi = pts[i - 1], pts[i]
+        frac = (concurrency - lo.concurrency) / (hi.concurrency - lo.concurrency)
+        return lo.per_stream_tokens_per_s + frac * (hi.per_stream_tokens_per_s - lo.per_stream_tokens_per_s)
+
+    def aggregate_rate(self, concurrency: float) -> float:
+        return concurrency * self.per_stream_rate(concurrency)
+
+    def ttft(self, concurrency: float) -> float:
+        known = [(p.concurrency, p.ttft_s) for p in self.points if p.ttft_s is not None]
+        if not known:
+            return self.ttft_s
+        if concurrency <= known[0][0]:
+            return known[0][1]
+        if concurrency >= known[-1][0]:
+            return known[-1][1]
+        i = bisect_right([c for c, _ in known], concurrency)
+        (c0, t0), (c1, t1) = known[i - 1], known[i]
+        return t0 + (concurrency - c0) / (c1 - c0) * (t1 - t0)
+
+    def request_seconds(self, concurrency: float, output_tokens: int) -> float:
+        """Wall time of one request when `concurrency` streams share the replica."""
+        return self.ttft(concurrency) + output_tokens / self.per_stream_rate(concurrency)
+
+
+def parse_curve(text: str) -> list[ThroughputPoint]:
+    """Parse ``"1:500,8:400,32:250"`` (concurrency:per-stream tokens/s) into points."""
+    points = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 2:
+            raise CostModelError(f"bad --throughput item '{item.strip()}': expected CONCURRENCY:TOKENS_PER_S")
+        try:
+            conc, rate = float(parts[0]), float(parts[1])
+        except ValueError:
+            raise CostModelError(f"bad --throughput item '{item.strip()}': not numbers") from None
+        if conc < 1 or rate <= 0:
+            raise CostModelError(f"bad --throughput item '{item.strip()}': concurrency >= 1, rate > 0")
+        points.append(ThroughputPoint(concurrency=conc, per_stream_tokens_per_s=rate))
+    return sorted(points, key=lambda p: p.concurrency)
+
+
+def from_flags(
+    tokens_per_s: float | None, curve: str | None, ttft_s: float, cold_start_s: float
+) -> ServiceProfile:
+    """Build a profile from command-line numbers."""
+    if ttft_s < 0 or cold_start_s < 0:
+        raise CostModelError("--ttft and --cold-start must be >= 0 seconds")
+    if curve:
+        points = parse_curve(curve)
+    elif tokens_per_s is not None:
+        if tokens_per_s <= 0:
+            raise CostModelError("--tokens-per-s must be > 0")
+        points = [ThroughputPoint(concurrency=1, per_stream_tokens_per_s=tokens_per_s)]
+    else:
+        raise CostModelError("give the service speed: --bench FILE, --tokens-per-s N or --throughput C:N,...")
+    try:
+        return ServiceProfile(points=tuple(points), ttft_s=ttft_s, cold_start_s=cold_start_s)
+    except ValueError as exc:
+        raise CostModelError(f"bad throughput curve: {exc}") from None

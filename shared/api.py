@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app factory that only translates HTTP to `Service`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from shared.engine import Engine, open_engine
+from shared.errors import (
+    BundleError,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    RequestTooLarge,
+    Unauthorized,
+)
+from shared.generation import Generation
+from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.service import Service
+from shared.settings import Settings
+from shared.streaming import Kind
+
+EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
+PUBLIC_PATHS = frozenset({"/health"})
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    engine: Engine | None = None,
+    engine_factory: EngineFactory = open_engine,
+) -> FastAPI:
+    """Build the app. With `engine`, the caller owns its lifetime (Modal's enter/exit hooks);
+    otherwise the app's lifespan opens one with `engine_factory` and shuts it down after."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if engine is not None:
+            app.state.service = Service(settings, engine)
+            yield
+            await app.state.service.registry.shutdown()
+            return
+        async with engine_factory(settings) as opened:
+            app.state.service = Service(settings, opened)
+            yield
+            await app.state.service.registry.shutdown()
+
+    app = FastAPI(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    _install_error_handlers(app)
+    _add_routes(app, settings)
+    if settings.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=settings.api_key.get_secret_value())
+    return app
+
+
+# --- routes -------------------------------------------------------------------------------------
+def _add_routes(app: FastAPI, settings: Settings) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        await _service(request).engine.check_health()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body = _service(request).metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        service = _service(request)
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm-serverless-bundle",
+            "max_model_len": service.engine.info.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await _read_json(request, settings))
+        return await _respond(request, "chat", body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(CompletionRequest, await _read_json(request, settings))
+        return await _respond(request, "completion", body)
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel(request: Request, request_id: str) -> Response:
+        generation = _service(request).registry.cancel(request_id)
+        if generation.task is not None and not generation.done:
+            await asyncio.wait({generation.task}, timeout=5)
+        state = "cancelled" if generation.error is not None else "completed"
+        return JSONResponse({"id": request_id, "object": "request.cancel", "status": state})
+
+
+def _service(request: Request) -> Service:
+    service: Service | None = getattr(request.app.state, "service", None)
+    if service is None:
+        raise EngineUnavailable("the engine is starting")
+    return service
+
+
+async def _read_json(request: Request, settings: Settings) -> Any:
+    """Read the body with a hard cap (413) and decode it (400), before any other work."""
+    limit = settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _respond(
+    request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest
+) -> Response:
+    service = _service(request)
+    request_id = request.headers.get("x-request-id") or None
+    last_event_id = _last_event_id(request)
+    if last_event_id is not None and request_id is None:
+        raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
+    generation = service.admit(kind, body, request_id, resume=last_event_id is not None)
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if not generation.stream:
+        return await _whole_response(service, generation, headers)
+    after = last_event_id or 0
+    generation.check_resumable(after)
+    service.registry.attach(generation)
+    return EventStreamResponse(
+        _stream(service, generation, after), headers={**SSE_HEADERS, **headers}
+    )
+
+
+def _last_event_id(request: Request) -> int | None:
+    raw = request.headers.get("last-event-id")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit():
+        raise InvalidRequest("Last-Event-ID must be a non-negative integer", param="Last-Event-ID")
+    return int(raw)
+
+
+async def _whole_response(
+    service: Service, generation: Generation, headers: dict[str, str]
+) -> Response:
+    service.registry.attach(generation)
+    try:
+        await generation.wait()
+    finally:
+        service.registry.detach(generation)
+    return JSONResponse(generation.response(), headers=headers)
+
+
+async def _stream(service: Service, generation: Generation, after: int) -> AsyncIterator[bytes]:
+    metrics = service.metrics
+    metrics.active_streams.inc()
+    try:
+        async for chunk in generation.follow(after, service.settings.stream_coalesce_ms / 1000):
+            yield chunk
+    finally:
+        # Runs on normal end, on disconnect (cancellation) and on send failures alike.
+        metrics.active_streams.dec()
+        service.registry.detach(generation)
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE response that notices a client leaving even while no token is being written.
+
+    Starlette only finds out about a disconnect on its next write under ASGI 2.4; a generation
+    still queued or in a long prefill writes nothing, so we also listen for `http.disconnect`.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streamer = asyncio.create_task(self._stream_quietly(send))
+        listener = asyncio.create_task(self.listen_for_disconnect(receive))
+        done, _ = await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (streamer, listener):
+            if task not in done:
+                task.cancel()
+        await asyncio.gather(streamer, listener, return_exceptions=True)
+
+    async def _stream_quietly(self, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # the client went away mid-write; the generator's finally has cleaned up
+        finally:
+            await _close(self.body_iterator)
+
+
+async def _close(iterator: Any) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+# --- auth ---------------------------------------------------------------------------------------
+class BearerAuth:
+    """Pure ASGI middleware (no buffering, so streaming and disconnects pass straight through)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        error = Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+        response = JSONResponse(
+            error.to_openai(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
+        )
+        await response(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.expected)
+        return False
+
+
+# --- errors -------------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BundleError)
+    async def bundle_error(request: Request, exc: BundleError) -> Response:
+        headers = {}
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(exc.retry_after_s)
+        if exc.status_code < 500 and exc.status_code != 429:
+            _count_rejection(request, exc.status_code)
+        return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        error = NotFound(f"{request.method} {request.url.path}: {exc.detail}")
+        error.status_code = exc.status_code
+        return JSONResponse(error.to_openai(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = InvalidRequest(str(exc.errors()[0].get("msg", "invalid request")))
+        return JSONResponse(error.to_openai(), status_code=400)
+
+
+def _count_rejection(request: Request, status: int) -> None:
+    service = getattr(request.app.state, "service", None)
+    if service is not None:
+        service.metrics.rejected_requests.labels(str(status)).inc()

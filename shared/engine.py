@@ -1,0 +1,215 @@
+"""The seam between the API and the model: a small protocol, and its implementation on vLLM.
+
+The API only ever sees `Engine`. The vLLM implementation runs `AsyncLLM` in-process (its
+engine core in a child process, its output handler on our event loop), so a token travels from
+the engine to the socket without crossing another HTTP hop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.settings import Settings
+from shared.tiny_model import ensure_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """What the engine needs for one generation, already validated and tokenized."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """New output since the previous delta of the same generation."""
+
+    text: str
+    token_count: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class EngineInfo:
+    model_name: str
+    max_model_len: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What the API needs from a model server; `tests/fakes.py` has a fault-injecting twin."""
+
+    info: EngineInfo
+
+    def tokenize(self, prompt: str) -> list[int]: ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+        """Yield deltas until finished. Cancelling the iteration aborts the engine request."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise EngineUnavailable when the engine cannot serve."""
+        ...
+
+    def running_requests(self) -> int:
+        """Requests the engine itself holds right now (the ground truth for leak checks)."""
+        ...
+
+
+class VLLMEngine:
+    """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
+
+    def __init__(self, llm: Any, info: EngineInfo) -> None:
+        self._llm = llm
+        self._tokenizer = llm.get_tokenizer()
+        self.info = info
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self._tokenizer.encode(prompt))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        try:
+            ids = self._tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=True
+            )
+        except ValueError as exc:  # no chat template, or one that rejects the roles given
+            raise InvalidRequest(f"cannot render these messages: {exc}", param="messages") from exc
+        if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        prompt = {"prompt_token_ids": request.prompt_token_ids}
+        try:
+            async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
+                completion = output.outputs[0]
+                yield EngineDelta(
+                    text=completion.text,
+                    token_count=len(completion.token_ids),
+                    finish_reason=_finish_reason(completion) if output.finished else None,
+                )
+        except EngineDeadError as exc:
+            raise EngineUnavailable("the engine died during generation") from exc
+        except ValueError as exc:  # vLLM's own validation, e.g. prompt + max_tokens too long
+            raise InvalidRequest(str(exc)) from exc
+        except Exception as exc:
+            if self._llm.errored:
+                raise EngineUnavailable("the engine died during generation") from exc
+            raise GenerationFailed(f"generation failed: {type(exc).__name__}") from exc
+
+    async def check_health(self) -> None:
+        if self._llm.errored:
+            raise EngineUnavailable("the engine is not running")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise EngineUnavailable("the engine is not running") from exc
+
+    def running_requests(self) -> int:
+        return int(self._llm.get_num_unfinished_requests())
+
+
+def _finish_reason(completion: Any) -> str:
+    # vLLM says "length" or "stop"; an abort surfaces as "abort", which OpenAI clients don't know.
+    reason = completion.finish_reason or "stop"
+    return reason if reason in ("length", "stop") else "stop"
+
+
+def _sampling_params(request: SamplingRequest) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k if request.top_k is not None else 0,
+        seed=request.seed,
+        stop=list(request.stop) or None,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        ignore_eos=request.ignore_eos,
+        # Deltas, not cumulative text: O(1) work per token instead of O(n).
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def resolve_model_path(settings: Settings) -> str:
+    if settings.uses_tiny_model:
+        return str(ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed))
+    return settings.model
+
+
+def engine_args(settings: Settings, on_cpu: bool) -> Any:
+    """Translate the settings into vLLM's AsyncEngineArgs, with CPU-friendly defaults."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    optional = {
+        "max_model_len": settings.max_model_len,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "block_size": settings.block_size,
+        "quantization": settings.quantization,
+        "speculative_config": settings.speculative_config,
+        "revision": settings.model_revision,
+    }
+    memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
+    eager = settings.enforce_eager if settings.enforce_eager is not None else on_cpu
+    return AsyncEngineArgs(
+        model=resolve_model_path(settings),
+        served_model_name=[settings.model_name],
+        dtype=_dtype(settings),
+        gpu_memory_utilization=memory_share,
+        enforce_eager=eager,
+        max_num_seqs=settings.max_num_seqs,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        load_format=settings.load_format,
+        trust_remote_code=settings.trust_remote_code,
+        seed=settings.engine_seed,
+        disable_log_stats=True,
+        **{key: value for key, value in optional.items() if value is not None},
+    )
+
+
+def _dtype(settings: Settings) -> str:
+    # vLLM's "auto" turns a float32 checkpoint into bf16; the tiny model stays float32, the
+    # one dtype that also survives under Cog's worker on this CPU (see cog/predict.py).
+    if settings.dtype == "auto" and settings.uses_tiny_model and settings.tiny_model_shape == "tiny":
+        return "float32"
+    return settings.dtype
+
+
+@asynccontextmanager
+async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
+    """Start vLLM, yield the engine, and always shut it down (its core is a child process)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = engine_args(settings, on_cpu=current_platform.is_cpu())
+    log.info("starting vLLM with model %s", args.model)
+    llm = AsyncLLM.from_engine_args(args)
+    try:
+        info = EngineInfo(settings.model_name, int(llm.model_config.max_model_len))
+        yield VLLMEngine(llm, info)
+    finally:
+        llm.shutdown()

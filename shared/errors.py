@@ -1,0 +1,101 @@
+"""One exception tree for the bundle, each error knowing its HTTP status and OpenAI error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BundleError(Exception):
+    """Base of every error the bundle raises on purpose."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_openai(self) -> dict[str, Any]:
+        """The body OpenAI's API returns for errors; the `openai` SDK parses exactly this."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(BundleError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class RequestTooLarge(InvalidRequest):
+    status_code = 413
+    code = "request_too_large"
+
+
+class Unauthorized(BundleError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(BundleError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class IdempotencyConflict(BundleError):
+    """Same X-Request-Id with a different body: refusing is the only safe answer."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+    code = "request_id_conflict"
+
+
+class EventsGone(BundleError):
+    """Resume asked for events the server no longer holds: say so rather than leave a gap."""
+
+    status_code = 410
+    error_type = "invalid_request_error"
+    code = "events_gone"
+
+
+class Overloaded(BundleError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "too_many_requests"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(BundleError):
+    status_code = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+
+
+class GenerationFailed(BundleError):
+    status_code = 500
+    error_type = "server_error"
+    code = "generation_failed"
+
+
+class Cancelled(BundleError):
+    status_code = 499
+    error_type = "cancelled"
+    code = "request_cancelled"

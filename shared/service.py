@@ -1,0 +1,136 @@
+"""The bundle's request handling, free of HTTP: validate, look up identity, admit, generate.
+
+`api.py` translates HTTP to these calls; wrappers (Modal, Cog) reuse the same object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import orjson
+
+from shared.engine import Engine, SamplingRequest
+from shared.errors import EventsGone, InvalidRequest, ModelNotFound
+from shared.generation import Generation, produce
+from shared.metrics import Metrics
+from shared.protocol import ChatCompletionRequest, CompletionRequest
+from shared.registry import Registry
+from shared.settings import Settings
+from shared.streaming import ChunkEncoder, Kind
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+class Service:
+    def __init__(self, settings: Settings, engine: Engine, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_engine(engine.running_requests)
+        self.registry = Registry(settings, self.metrics)
+
+    def admit(
+        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool = False
+    ) -> Generation:
+        """The generation this id already names, or a new one, validated, tokenized and started.
+
+        Runs without awaiting on purpose: between the lookup and the start nothing else can
+        run, so two simultaneous requests with one id can never start two generations.
+        `resume` (a Last-Event-ID was sent) never starts one: a fresh generation under the old
+        event ids would splice two different texts together.
+        """
+        self._check_model(body.model)
+        fingerprint = _fingerprint(kind, body)
+        if request_id is not None:
+            existing = self.registry.find(request_id, fingerprint)
+            if existing is not None:
+                self.metrics.replayed_requests.inc()
+                return existing
+        if resume:
+            raise EventsGone(
+                f"no stream with X-Request-Id {request_id!r} is held any more; "
+                "start a new request with a new id"
+            )
+        prompt_ids = self._prompt_ids(body)
+        sampling = self._sampling(body, prompt_ids)
+        completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        generation = Generation(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
+            stream=body.stream,
+            include_usage=body.include_usage,
+            prompt_tokens=len(prompt_ids),
+            max_events=self.settings.max_events_per_request,
+        )
+
+        async def producer(g: Generation) -> None:
+            await produce(
+                g, self.engine, sampling, self.metrics,
+                self.settings.request_timeout_s, engine_request_id=completion_id,
+            )
+
+        self.registry.start(generation, producer)
+        return generation
+
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise ModelNotFound(
+                f"model {model!r} is not served here; this server serves "
+                f"{self.settings.model_name!r}",
+                param="model",
+            )
+
+    def _prompt_ids(self, body: OpenAIRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            ids = self.engine.render_chat(body.message_dicts())
+        else:
+            ids = self.engine.tokenize(body.prompt)
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    def _sampling(self, body: OpenAIRequest, prompt_ids: list[int]) -> SamplingRequest:
+        limit = self.settings.max_tokens_limit
+        max_tokens = body.requested_max_tokens
+        if max_tokens is not None and max_tokens > limit:
+            raise InvalidRequest(
+                f"max_tokens {max_tokens} exceeds this server's limit of {limit}",
+                param="max_tokens",
+            )
+        room = self.engine.info.max_model_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, room)
+        if max_tokens > room or room <= 0:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {self.engine.info.max_model_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingRequest(
+            prompt_token_ids=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop_list,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            ignore_eos=body.ignore_eos,
+        )
+
+
+def _fingerprint(kind: Kind, body: OpenAIRequest) -> str:
+    """Identity of a request body, independent of key order and whitespace."""
+    canonical = orjson.dumps(
+        {"kind": kind, "body": body.model_dump(mode="json", exclude_unset=True)},
+        option=orjson.OPT_SORT_KEYS,
+    )
+    return hashlib.sha256(canonical).hexdigest()

@@ -1,0 +1,128 @@
+"""The one settings object. Every knob of the bundle lives here; nothing else reads the environment.
+
+Each field maps to an environment variable with the ``BUNDLE_`` prefix (``model`` is
+``BUNDLE_MODEL``). Tests and wrappers build ``Settings(...)`` with keyword overrides instead of
+touching ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/tiny_model.py
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "vllm-serverless-bundle"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BUNDLE_", extra="ignore", frozen=True)
+
+    # --- what is served -------------------------------------------------------------------
+    model: str = Field(
+        TINY_MODEL,
+        description="'tiny' (random-weight local test model), a Hugging Face id or a local path.",
+    )
+    model_revision: str | None = Field(None, description="Git revision of a Hugging Face model.")
+    served_model_name: str | None = Field(
+        None, description="Name clients send as `model`; defaults to BUNDLE_MODEL."
+    )
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    tiny_model_shape: Literal["tiny", "llama3-8b"] = Field(
+        "tiny", description="Shape of the built-in model: 'llama3-8b' is config-only (dummy load)."
+    )
+    tiny_model_seed: int = 0
+
+    # --- engine arguments (passed to vLLM's AsyncEngineArgs) -------------------------------
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="GPU memory share for weights+KV; on the CPU build it is the share of host "
+        "RAM for the KV cache. Unset: 0.90 on GPU, 0.10 on CPU (vLLM's 0.92 fails on small hosts).",
+    )
+    enforce_eager: bool | None = Field(
+        None, description="Skip CUDA graphs/compile. Unset: True on CPU (20 s start vs 50 s)."
+    )
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool | None = None
+    block_size: int | None = Field(None, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    quantization: str | None = None
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.'
+    )
+    load_format: str = Field("auto", description="'dummy' fills random weights (benchmarks).")
+    trust_remote_code: bool = False
+    engine_seed: int = 0
+
+    # --- API -------------------------------------------------------------------------------
+    api_key: SecretStr | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: str = "info"
+
+    # --- request limits --------------------------------------------------------------------
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none.")
+    max_prompt_tokens: int = Field(8192, ge=1)
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    max_in_flight: int = Field(512, ge=1, description="Generations admitted at once; then 429.")
+    retry_after_s: int = Field(1, ge=0)
+
+    # --- request identity, resume and disconnects -------------------------------------------
+    disconnect_grace_s: float = Field(
+        30.0, ge=0, description="How long a generation with X-Request-Id outlives its clients."
+    )
+    retention_s: float = Field(300.0, ge=0, description="How long finished results are replayable.")
+    max_held_requests: int = Field(4096, ge=1, description="Finished results kept for replay.")
+    max_events_per_request: int = Field(
+        16384, ge=16, description="Replay buffer per generation; older events are dropped."
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
+
+    # --- streaming -------------------------------------------------------------------------
+    stream_coalesce_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Wait up to this long to pack several token events into one write "
+        "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
+    )
+
+    # --- deploy targets (read by modal_app/ and cog/) ----------------------------------------
+    modal_app_name: str = "vllm-serverless-bundle"
+    modal_gpu: str = "H100"
+    modal_scaledown_window_s: int = Field(300, ge=2)
+    modal_timeout_s: int = Field(3600, ge=10)
+    modal_startup_timeout_s: int = Field(1200, ge=10)
+    modal_min_containers: int = Field(0, ge=0)
+    modal_max_containers: int | None = Field(None, ge=1)
+    modal_max_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs.")
+    modal_target_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs / 2.")
+    modal_secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")
+    modal_requires_proxy_auth: bool = False
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_json(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip():
+            return json.loads(value)
+        return value or None
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in the `model` field."""
+        return self.served_model_name or self.model
+
+    @property
+    def uses_tiny_model(self) -> bool:
+        return self.model == TINY_MODEL

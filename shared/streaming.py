@@ -1,0 +1,104 @@
+"""Engine deltas -> OpenAI chunk JSON -> SSE bytes.
+
+Chunks are built from byte templates made once per generation: per token we only encode the
+new text. This is the hot path of the server (one call per token per generation), so it stays
+free of dicts and model objects.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from shared.errors import BundleError
+
+Kind = Literal["chat", "completion"]
+DONE_DATA = b"[DONE]"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+        }
+
+
+def sse_event(sequence: int, data: bytes) -> bytes:
+    """One SSE event; the id is what a client sends back as Last-Event-ID to resume."""
+    return b"id: %d\ndata: %s\n\n" % (sequence, data)
+
+
+def error_data(error: BundleError) -> bytes:
+    return orjson.dumps(error.to_openai())
+
+
+class ChunkEncoder:
+    """Encodes one generation's chunks in OpenAI's streaming format (chat or legacy completion)."""
+
+    def __init__(self, kind: Kind, completion_id: str, model: str) -> None:
+        self.kind = kind
+        self.completion_id = completion_id
+        self.model = model
+        self.created = int(time.time())
+        head = b'{"id":%s,"object":%s,"created":%d,"model":%s,' % (
+            orjson.dumps(completion_id),
+            b'"chat.completion.chunk"' if kind == "chat" else b'"text_completion"',
+            self.created,
+            orjson.dumps(model),
+        )
+        self._head = head
+        if kind == "chat":
+            self._text_prefix = head + b'"choices":[{"index":0,"delta":{"content":'
+            self._text_suffix = b'},"logprobs":null,"finish_reason":%s}]}'
+        else:
+            self._text_prefix = head + b'"choices":[{"index":0,"text":'
+            self._text_suffix = b',"logprobs":null,"finish_reason":%s}]}'
+
+    def opening(self) -> bytes | None:
+        """Chat streams start with the assistant role, as OpenAI's do."""
+        if self.kind != "chat":
+            return None
+        return self._head + (
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}'
+        )
+
+    def text(self, text: str, finish_reason: str | None) -> bytes:
+        reason = b"null" if finish_reason is None else b'"%s"' % finish_reason.encode()
+        return self._text_prefix + orjson.dumps(text) + self._text_suffix % reason
+
+    def usage(self, usage: Usage) -> bytes:
+        """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
+        return self._head + b'"choices":[],"usage":' + orjson.dumps(usage.as_dict()) + b"}"
+
+    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        """The whole non-streaming response body."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {
+            "id": self.completion_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage.as_dict(),
+        }
