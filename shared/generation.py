@@ -78,9 +78,11 @@ class Generation:
         self.usage.completion_tokens += token_count
         if finish_reason is not None:
             self.finish_reason = finish_reason
-        if not self.stream:
+        if text:
             self.text_parts.append(text)
-        elif text or finish_reason is not None:
+            if not self.stream:
+                self._wake()  # follow_text readers (Cog) want each piece as it comes
+        if self.stream and (text or finish_reason is not None):
             self.emit(self.encoder.text(text, finish_reason))
 
     def finish(self, error: BundleError | None = None) -> None:
@@ -126,6 +128,24 @@ class Generation:
             await self._wakeup.wait()
             if coalesce_s:
                 await asyncio.sleep(coalesce_s)
+
+    async def follow_text(self) -> AsyncIterator[str]:
+        """Yield the generated text piece by piece from the start; raise if it failed.
+
+        For wrappers that want plain text rather than SSE (the Cog runner)."""
+        cursor = 0
+        while True:
+            if cursor < len(self.text_parts):
+                pieces = self.text_parts[cursor:]
+                cursor += len(pieces)
+                for piece in pieces:
+                    yield piece
+                continue
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            await self._wakeup.wait()
 
     async def wait(self) -> None:
         while not self.done:
