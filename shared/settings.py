@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     modal_target_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs / 2.")
     modal_secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")
     modal_requires_proxy_auth: bool = False
+    modal_proxy_key: str | None = Field(
+        None, description="Modal-Key header the smoke test sends when proxy auth is on."
+    )
+    modal_proxy_secret: SecretStr | None = Field(
+        None, description="Modal-Secret header the smoke test sends when proxy auth is on."
+    )
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -126,3 +132,56 @@ class Settings(BaseSettings):
     @property
     def uses_tiny_model(self) -> bool:
         return self.model == TINY_MODEL
+
+    # --- deploy targets: derived values (read by modal_app/ and cog/) ------------------------
+    def modal_concurrency(self) -> tuple[int, int]:
+        """`(max_inputs, target_inputs)` for `@modal.concurrent`.
+
+        max_inputs defaults to `max_num_seqs`: the engine batches at most that many sequences
+        per step, so a container that accepted more would only queue them inside vLLM while
+        another container could be serving them. target_inputs defaults to half of that: Modal's
+        autoscaler starts a new container once the average passes the target, so the running
+        one keeps headroom for the burst that arrives during the new one's cold start.
+        """
+        max_inputs = self.modal_max_inputs or self.max_num_seqs
+        target = self.modal_target_inputs or max(1, max_inputs // 2)
+        if target > max_inputs:
+            raise ValueError(
+                f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})"
+            )
+        return max_inputs, target
+
+    def with_default_model(self, model: str, revision: str | None) -> Settings:
+        """These settings, serving `model` at `revision` unless BUNDLE_MODEL was given.
+
+        The pair moves together: a revision pinned for one model means nothing for another, so
+        an explicit BUNDLE_MODEL keeps its own (possibly unset) revision. An explicit
+        BUNDLE_MODEL_REVISION alone re-pins the default model.
+        """
+        if "model" in self.model_fields_set:
+            return self
+        update: dict[str, Any] = {"model": model}
+        if "model_revision" not in self.model_fields_set:
+            update["model_revision"] = revision
+        return self.model_copy(update=update)
+
+    def deploy_env(self) -> dict[str, str]:
+        """The BUNDLE_* variables that rebuild these settings inside a deployed container.
+
+        Only fields given explicitly (environment, constructor, `with_default_model`) are
+        exported, so defaults stay owned by the code the container runs. Secrets never are:
+        they travel in a platform secret, not in an image layer or an app definition.
+        """
+        env: dict[str, str] = {}
+        for name in sorted(self.model_fields_set):
+            value = getattr(self, name)
+            if value is None or isinstance(value, SecretStr):
+                continue
+            if isinstance(value, bool):
+                rendered = "true" if value else "false"
+            elif isinstance(value, dict):
+                rendered = json.dumps(value)
+            else:
+                rendered = str(value)
+            env[f"BUNDLE_{name.upper()}"] = rendered
+        return env

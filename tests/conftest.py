@@ -1,0 +1,131 @@
+"""Shared fixtures: ONE real vLLM engine (CPU build, tiny model) for the whole session.
+
+The engine lives on an event loop in a background thread. Each test that needs different API
+settings (an API key, a small in-flight cap, a short grace window) gets its own app and uvicorn
+server on that same loop, all sharing the one engine, so the suite starts vLLM once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import uvicorn
+
+from shared.api import create_app
+from shared.engine import Engine, open_engine
+from shared.service import Service
+from shared.settings import Settings
+
+T = TypeVar("T")
+
+# Enough room for the tests' long generations; eager mode starts in ~20 s instead of ~50 s.
+ENGINE_SETTINGS = Settings(max_num_seqs=64, max_model_len=2048, enforce_eager=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LiveServers:
+    """Runs apps on one event loop thread, all backed by one engine."""
+
+    def __init__(self, engine_factory: Callable[[Settings], Any] = open_engine) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._stack = contextlib.AsyncExitStack()
+        self.engine: Engine = self.call(self._stack.enter_async_context(engine_factory(ENGINE_SETTINGS)))
+        self._servers: list[uvicorn.Server] = []
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, **overrides: Any) -> tuple[str, Service]:
+        """Start an app with these settings; return its base URL and its Service."""
+        settings = Settings(**{**ENGINE_SETTINGS.model_dump(), **overrides})
+        app = create_app(settings, engine=self.engine)
+        port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        server = uvicorn.Server(config)
+        self._servers.append(server)
+
+        async def start() -> None:
+            self.loop.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.01)
+
+        self.call(start())
+        return f"http://127.0.0.1:{port}", app.state.service
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for server in self._servers:
+                server.should_exit = True
+            await asyncio.sleep(0.3)
+            await self._stack.aclose()
+
+        with contextlib.suppress(Exception):
+            self.call(stop(), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def live() -> Iterator[LiveServers]:
+    servers = LiveServers()
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="session")
+def default_server(live: LiveServers) -> tuple[str, Service]:
+    return live.serve()
+
+
+@pytest.fixture
+def base_url(default_server: tuple[str, Service]) -> str:
+    return default_server[0]
+
+
+@pytest.fixture
+def service(default_server: tuple[str, Service]) -> Service:
+    return default_server[1]
+
+
+@pytest.fixture
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        yield client
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
+    """Poll until predicate() holds; return the seconds it took, or fail."""
+    import time
+
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def long_chat(**extra: Any) -> dict[str, Any]:
+    """A chat request that keeps the engine busy for a while (fixed length via ignore_eos)."""
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "tell me a long story"}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }

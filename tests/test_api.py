@@ -1,0 +1,252 @@
+"""The OpenAI-compatible API on the REAL vLLM engine (CPU build, tiny model), driven by the
+official `openai` SDK and by raw HTTP where the SDK hides what is being checked."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from shared.service import Service
+from tests.conftest import LiveServers, long_chat, wait_until
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture
+def sdk(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(raw: bytes) -> list[tuple[int, bytes]]:
+    """(id, data) of every event of a raw SSE body."""
+    events = []
+    for block in raw.split(b"\n\n"):
+        if not block.strip():
+            continue
+        fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
+        events.append((int(fields[b"id"]), fields[b"data"]))
+    return events
+
+
+def test_sdk_streams_chat(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, stream=True, temperature=0.0
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_sdk_chat_without_streaming_matches_greedy_stream(sdk: openai.OpenAI) -> None:
+    whole = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0)
+    stream = sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage is not None and whole.usage.completion_tokens <= 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+def test_sdk_completions_stream_and_not(sdk: openai.OpenAI) -> None:
+    whole = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1)
+    pieces = sdk.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1, stream=True
+    )
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in pieces)
+    assert whole.object == "text_completion"
+
+
+def test_seed_makes_sampling_repeatable(sdk: openai.OpenAI) -> None:
+    def sample() -> str | None:
+        reply = sdk.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, top_p=0.9, seed=42
+        )
+        return reply.choices[0].message.content
+
+    assert sample() == sample()
+
+
+def test_include_usage_puts_usage_on_the_last_chunk(sdk: openai.OpenAI) -> None:
+    chunks = list(
+        sdk.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=8, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].choices == []
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_sequence_is_honoured(sdk: openai.OpenAI) -> None:
+    free = sdk.completions.create(model="tiny", prompt="a", max_tokens=30, temperature=0.0)
+    text = free.choices[0].text
+    stop = text[5:8]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable stop string")
+    stopped = sdk.completions.create(model="tiny", prompt="a", max_tokens=30, temperature=0.0, stop=[stop])
+    assert stop not in stopped.choices[0].text
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_event_ids_increase_by_one(http: httpx.Client) -> None:
+    raw = http.post("/v1/chat/completions", json=long_chat(max_tokens=20)).content
+    events = sse_events(raw)
+    assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
+    assert events[-1][1] == b"[DONE]"
+
+
+def test_models_and_health(http: httpx.Client) -> None:
+    assert http.get("/health").json() == {"status": "ok"}
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_disconnect_aborts_engine_request_within_a_second(
+    base_url: str, service: Service
+) -> None:
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json=long_chat()) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert service.engine.running_requests() >= 1
+    # Leaving the block closed the connection mid-stream.
+    took = wait_until(lambda: service.engine.running_requests() == 0, timeout=1.0)
+    assert took < 1.0
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'bundle_aborted_requests_total{reason="disconnect"}' in metrics
+    assert "bundle_active_streams 0.0" in metrics
+
+
+def test_gauges_are_live_right_after_a_stream(http: httpx.Client) -> None:
+    http.post("/v1/chat/completions", json=long_chat(max_tokens=5)).read()
+    metrics = http.get("/metrics").text
+    assert "bundle_active_streams 0.0" in metrics
+    assert "bundle_running_generations 0.0" in metrics
+    assert "bundle_engine_running_requests 0.0" in metrics
+    assert "bundle_time_to_first_token_seconds_count" in metrics
+
+
+BAD_INPUTS: list[tuple[str, dict | bytes]] = [
+    ("negative max_tokens", {"max_tokens": -1}),
+    ("zero max_tokens", {"max_tokens": 0}),
+    ("huge max_tokens", {"max_tokens": 10**9}),
+    ("max_tokens as string", {"max_tokens": "ten"}),
+    ("temperature too high", {"temperature": 3.5}),
+    ("top_p zero", {"top_p": 0}),
+    ("stream not a bool", {"stream": "yes"}),
+    ("messages empty", {"messages": []}),
+    ("messages not a list", {"messages": "hello"}),
+    ("message without content", {"messages": [{"role": "user"}]}),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("unknown model", {"model": "gpt-17"}),
+    ("unsupported logprobs", {"logprobs": True}),
+    ("unsupported tools", {"tools": [{"type": "function"}]}),
+    ("n above one", {"n": 3}),
+    ("too many stops", {"stop": ["a", "b", "c", "d", "e"]}),
+    ("prompt too long", {"messages": [{"role": "user", "content": "word " * 9000}]}),
+    ("malformed JSON", b'{"model": "tiny", "messages": ['),
+    ("JSON not an object", b'["model", "tiny"]'),
+    ("oversized body", b'{"model": "tiny", "pad": "' + b"x" * 2_000_000 + b'"}'),
+]
+
+
+@pytest.mark.parametrize("name,change", BAD_INPUTS, ids=[name for name, _ in BAD_INPUTS])
+def test_bad_input_is_a_4xx_openai_error_that_never_reaches_the_engine(
+    http: httpx.Client, service: Service, name: str, change: dict | bytes
+) -> None:
+    before = service.metrics.engine_generations._value.get()
+    if isinstance(change, bytes):
+        response = http.post(
+            "/v1/chat/completions", content=change, headers={"content-type": "application/json"}
+        )
+    else:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **change}
+        response = http.post("/v1/chat/completions", json=body)
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert service.metrics.engine_generations._value.get() == before
+
+
+def test_sdk_raises_its_own_error_types(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=-3)
+    assert bad.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="nope", messages=MESSAGES)
+
+
+def test_api_key_is_required_everywhere_but_health(live: LiveServers) -> None:
+    url, _ = live.serve(api_key="s3cret")
+    routes = [
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("POST", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}),
+        ("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
+        ("POST", "/v1/requests/abc/cancel", None),
+        ("GET", "/no/such/route", None),
+    ]
+    with httpx.Client(base_url=url, timeout=30) as client:
+        assert client.get("/health").status_code == 200
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                response = client.request(method, path, json=body, headers=headers)
+                assert response.status_code == 401, (path, headers)
+                assert response.json()["error"]["type"] == "authentication_error"
+            good = client.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert good.status_code != 401
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+    assert sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_requests_beyond_the_in_flight_cap_get_429(live: LiveServers) -> None:
+    url, service = live.serve(max_in_flight=2, retry_after_s=3)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json=long_chat()) as first, client.stream(
+            "POST", "/v1/chat/completions", json=long_chat()
+        ) as second:
+            next(first.iter_lines()), next(second.iter_lines())
+            refused = client.post("/v1/chat/completions", json=long_chat(max_tokens=2))
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "3"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+    wait_until(lambda: service.engine.running_requests() == 0, timeout=2.0)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        assert client.post("/v1/chat/completions", json=long_chat(max_tokens=2)).status_code == 200
+
+
+def test_unknown_route_gets_openai_error_json(http: httpx.Client) -> None:
+    response = http.get("/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["message"]
+
+
+def test_a_burst_of_concurrent_streams_all_complete(base_url: str, service: Service) -> None:
+    import asyncio
+
+    async def one(client: httpx.AsyncClient) -> int:
+        response = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 32, "ignore_eos": True, "stream": True,
+        })
+        return response.content.count(b"data: ") - 1
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            return await asyncio.gather(*(one(client) for _ in range(32)))
+
+    started = time.perf_counter()
+    counts = asyncio.run(burst())
+    assert counts == [32] * 32
+    assert time.perf_counter() - started < 60  # orders of magnitude above the ~0.2 s it takes
