@@ -7,6 +7,7 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from shared.service import Service
@@ -239,8 +240,10 @@ def test_a_burst_of_concurrent_streams_all_complete(base_url: str, service: Serv
     async def one(client: httpx.AsyncClient) -> int:
         response = await client.post("/v1/completions", json={
             "model": "tiny", "prompt": "x", "max_tokens": 32, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
         })
-        return response.content.count(b"data: ") - 1
+        usage_event = sse_events(response.content)[-2][1]
+        return int(orjson.loads(usage_event)["usage"]["completion_tokens"])
 
     async def burst() -> list[int]:
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
