@@ -163,17 +163,17 @@ def _custom_entries(v: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({**base, "id": "custom-per-second", "platform": v["platform"], "kind": "per_second",
                     "gpu": v["gpu"], "usd_per_second": v["price_per_second"]})
     if v.get("price_per_hour") is not None:
-        out.append({**base, "id": "custom-reserved", "platform": "runpod-reserved",
+        out.append({**base, "id": "custom-reserved", "platform": "command-line",
                     "kind": "reserved_hourly", "gpu": v["gpu"], "usd_per_hour": v["price_per_hour"]})
     if v.get("price_per_request") is not None:
-        out.append({**base, "id": "custom-per-request", "platform": "together", "kind": "per_request",
+        out.append({**base, "id": "custom-per-request", "platform": "command-line", "kind": "per_request",
                     "usd_per_request": v["price_per_request"]})
     if v.get("price_per_million_tokens") is not None:
         try:
             tin, tout = (float(x) for x in v["price_per_million_tokens"].split(","))
         except ValueError:
             raise CostModelError("--price-per-million-tokens wants IN,OUT, e.g. 0.05,0.25") from None
-        out.append({**base, "id": "custom-per-token", "platform": "together", "kind": "per_token",
+        out.append({**base, "id": "custom-per-token", "platform": "command-line", "kind": "per_token",
                     "usd_per_million_input": tin, "usd_per_million_output": tout})
     return out
 
@@ -246,7 +246,8 @@ def one_line(exc: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    # Wide enough for the table when piped to a file (rich falls back to 80 columns).
+    console = Console() if sys.stdout.isatty() else Console(width=150)
     try:
         if args.command == "estimate":
             run_estimate(args, console)

@@ -101,8 +101,11 @@ def _replica_share(rate: float, p: float, pmf_t: float, cdf_t: float, rules: Rul
     else:
         idle, cold = begins * rules.window_s, begins
     stretch = 1.0 + cold * rules.cold_start_s
-    billed = p + (idle if rules.bills_idle else 0.0) + (cold * rules.cold_start_s if rules.bills_setup else 0.0)
-    return billed / stretch, p / stretch, cold / stretch
+    setup = cold * rules.cold_start_s if rules.bills_setup else 0.0
+    if not rules.bills_idle:
+        # Active-only billing charges each request's own time, which start-ups do not shrink.
+        return p + setup / stretch, p, cold / stretch
+    return (p + idle + setup) / stretch, p / stretch, cold / stretch
 
 
 def poisson_pool(rate: float, seconds: float, k: float, cap: int, rules: Rules) -> PoolStats:
