@@ -100,11 +100,18 @@ class ResumableClient:
                     yield choice["text"]
 
     async def stream_chunks(
-        self, path: str, body: dict[str, Any], request_id: str | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        request_id: str | None = None,
+        last_event_id: int | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yield each chunk once, reconnecting with Last-Event-ID after a broken connection."""
+        """Yield each chunk once, reconnecting with Last-Event-ID after a broken connection.
+
+        `last_event_id` resumes a stream this process did not start (say, one whose id and
+        position were saved before a restart)."""
         request_id = request_id or f"client-{uuid.uuid4().hex}"
-        last_id: int | None = None
+        last_id = last_event_id
         yielded = numbered = False
         self.reconnects = 0
         while True:

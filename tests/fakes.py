@@ -1,0 +1,53 @@
+"""A fault-injecting engine, for the one failure the real engine cannot produce on demand:
+dying in the middle of a stream. Everything else in the suite runs the real vLLM engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from shared.engine import EngineDelta, EngineInfo, SamplingRequest
+from shared.errors import EngineUnavailable
+from shared.settings import Settings
+
+
+class DyingEngine:
+    """Streams `die_after` one-character tokens, then dies like vLLM's EngineDeadError does."""
+
+    def __init__(self, die_after: int = 3) -> None:
+        self.info = EngineInfo(model_name="tiny", max_model_len=2048)
+        self.die_after = die_after
+        self.dead = False
+        self.running = 0
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return [ord(c) % 256 for c in prompt]
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.tokenize("".join(m["content"] for m in messages))
+
+    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+        if self.dead:
+            raise EngineUnavailable("the engine is not running")
+        self.running += 1
+        try:
+            for index in range(self.die_after):
+                await asyncio.sleep(0.01)
+                yield EngineDelta(text=chr(ord("a") + index), token_count=1)
+            self.dead = True
+            raise EngineUnavailable("the engine died during generation")
+        finally:
+            self.running -= 1
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineUnavailable("the engine is not running")
+
+    def running_requests(self) -> int:
+        return self.running
+
+
+@asynccontextmanager
+async def dying_engine(settings: Settings) -> AsyncIterator[DyingEngine]:
+    yield DyingEngine()

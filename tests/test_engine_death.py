@@ -1,0 +1,45 @@
+"""Engine death mid-stream (fake engine: the real one cannot be made to die on demand)."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from shared.api import create_app
+from shared.settings import Settings
+from tests.fakes import dying_engine
+
+
+@pytest.fixture
+async def client() -> httpx.AsyncClient:
+    app = create_app(Settings(), engine_factory=dying_engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bundle") as http:
+            yield http
+
+
+async def test_death_mid_stream_is_one_error_event_then_done_and_health_turns_503(
+    client: httpx.AsyncClient,
+) -> None:
+    assert (await client.get("/health")).status_code == 200
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200  # the stream had started when the engine died
+    datas = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    errors = [d for d in datas[:-1] if "error" in orjson.loads(d)]
+    assert len(errors) == 1 and datas[-2] == errors[0]
+    error = orjson.loads(errors[0])["error"]
+    assert error["code"] == "engine_unavailable" and error["message"]
+    texts = [orjson.loads(d)["choices"][0]["delta"].get("content") for d in datas[1:-2]]
+    assert texts == ["a", "b", "c"]
+
+    health = await client.get("/health")
+    assert health.status_code == 503
+    assert health.json()["error"]["code"] == "engine_unavailable"
+    # Later requests fail cleanly too, as a non-streaming 503 JSON error.
+    again = await client.post("/v1/chat/completions", json={**body, "stream": False})
+    assert again.status_code == 503
+    assert again.json()["error"]["type"] == "server_error"
