@@ -49,6 +49,7 @@ class EngineDelta:
 class EngineInfo:
     model_name: str
     max_model_len: int
+    vocab_size: int = 0  # 0: unknown, token-id prompts are then checked by the engine alone
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -209,7 +210,11 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     log.info("starting vLLM with model %s", args.model)
     llm = AsyncLLM.from_engine_args(args)
     try:
-        info = EngineInfo(settings.model_name, int(llm.model_config.max_model_len))
+        info = EngineInfo(
+            settings.model_name,
+            int(llm.model_config.max_model_len),
+            vocab_size=int(llm.model_config.get_vocab_size()),
+        )
         yield VLLMEngine(llm, info)
     finally:
         llm.shutdown()

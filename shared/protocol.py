@@ -87,7 +87,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str = Field(min_length=1)
+    # OpenAI's legacy endpoint also takes a prompt as token ids; benchmarks use it to send
+    # exactly N tokens to every server.
+    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     echo: Literal[False] = False
     suffix: None = None
 

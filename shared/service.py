@@ -85,6 +85,8 @@ class Service:
     def _prompt_ids(self, body: OpenAIRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             ids = self.engine.render_chat(body.message_dicts())
+        elif isinstance(body.prompt, list):
+            ids = self._checked_token_ids(body.prompt)
         else:
             ids = self.engine.tokenize(body.prompt)
         if len(ids) > self.settings.max_prompt_tokens:
@@ -92,6 +94,15 @@ class Service:
                 f"prompt has {len(ids)} tokens; the limit is {self.settings.max_prompt_tokens}",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
+            )
+        return ids
+
+    def _checked_token_ids(self, ids: list[int]) -> list[int]:
+        vocabulary = self.engine.info.vocab_size
+        if vocabulary and max(ids) >= vocabulary:
+            raise InvalidRequest(
+                f"prompt token id {max(ids)} is outside the vocabulary of {vocabulary}",
+                param="prompt",
             )
         return ids
 

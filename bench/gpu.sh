@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU proof on a lent H200: vLLM 0.26.0's GPU build (the release built for that machine's
+# torch 2.11 + CUDA 13), a Llama-3-8B-shaped model with dummy bf16 weights, identical load for
+# (a) raw AsyncLLM in-process, (b) the bundle's server over HTTP + SSE, (c) vLLM's own server.
+# (The Modal wrapper's app is the same create_app() object as (b), so it is not run twice.)
+#
+# Call sequence (from this machine, with the device tool's `run`), back to back:
+#   1. bash ../shared/gpu/prepare.sh              # once, here: wheels into .gpu/c00..c07
+#      plus .whl/ with pydantic-settings, python-dotenv, orjson for cp312 (see README)
+#   2. for each chunk: run(carry=[".gpu/cNN"], "mkdir -p /tmp/wh && mv .gpu/cNN/* /tmp/wh/")
+#   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")
+#   4. run("bash bench/gpu.sh servers")          # same warm machine: compile cache reused
+# Results: bench/gpu-results/bench.{json,md,png} on the device, copied to $OUT.
+set -euo pipefail
+stage=${1:-all}
+if [ ! -d /tmp/site/vllm ]; then
+  bash .gpu/install.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0
+export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
+export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
+export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
+common=(--levels 1,16,64,256 --rounds 1 --prompt-tokens 512 --output-tokens 256 --vocab 128000
+        --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
+case "$stage" in
+  raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;
+  servers) python3 -m shared.bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
+  all) python3 -m shared.bench suite "${common[@]}" ;;
+esac
+mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-results/bench.* bench/gpu-results/*.log "${OUT:-/tmp/out}/" 2>/dev/null || true
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

@@ -1,0 +1,118 @@
+"""The bundle on Replicate: a Cog runner that streams tokens from the core's engine.
+
+It only translates between Cog and the core (`shared/`); see docs/cog.md for deploying it.
+
+How streaming AND concurrency work on cog/coglet 0.23.1 (the pinned version):
+- `run()` is `async def` (coglet refuses COG_MAX_CONCURRENCY > 1 otherwise) and every async
+  `run()`, like the async `setup()` that opened the engine, runs on ONE asyncio loop in coglet's
+  worker. So the engine, its output handler and the request registry all live on that loop.
+- `run()` is NOT an async generator: coglet 0.23.1 collects those whole and sends them at the
+  end. It admits the generation (no awaiting, nothing blocking) and RETURNS a plain sync
+  generator. Coglet iterates that in the prediction's own slot thread and sends every item the
+  moment it is yielded. The generator waits for each piece with
+  `run_coroutine_threadsafe(...).result()`, which parks only that slot thread (GIL released), so
+  N predictions stream side by side while the loop keeps serving the engine.
+- Cancel: coglet does not tell the generator; `shared.cog_bridge.install_coglet_cancel_hook`
+  intercepts coglet's cancel and aborts the engine request (fragile, checked, explained there).
+
+dtype: on this bundle's CPU test machine an engine in bf16 started under coglet dies with SIGILL
+at its first forward pass (the CPU has AMX, which Linux grants per process on request; inside
+coglet's process tree that request evidently fails), while float32 works. The core's tiny model
+is float32 (`shared.engine._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
+
+Settings: coglet 0.23.1 passes its own environment to the worker (measured), so BUNDLE_* work
+locally, and in an image built by `cog build` from cog.yaml's `environment:`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import coglet
+
+import cog
+from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
+from shared import cog_bridge as bridge
+from shared.engine import open_engine
+from shared.service import Service
+
+bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
+
+
+class Runner(BaseRunner):
+    async def setup(self, weights: str | None = None) -> None:
+        # Runs on coglet's shared loop, so the engine's output handler does too. A failure here
+        # propagates: coglet reports SETUP_FAILED and never serves a prediction.
+        settings = bridge.runner_settings(weights)
+        self._stack = contextlib.AsyncExitStack()
+        engine = await self._stack.enter_async_context(open_engine(settings))
+        self.service = Service(settings, engine)
+        self.loop = asyncio.get_running_loop()
+
+    def healthcheck(self) -> bool:
+        # coglet 0.23.1 calls this from a thread pool for GET /health-check; False -> UNHEALTHY.
+        return bridge.engine_healthy(self.service, self.loop)
+
+    @cog.streaming
+    @cog.concurrent(max=32)  # a literal: `cog build` reads it from the source; = cog.yaml's
+    async def run(
+        self,
+        prompt: str = Input(description="The user message.", min_length=1),
+        system_prompt: str = Input(default="", description="System message; empty for none."),
+        max_tokens: int = Input(
+            default=bridge.DEFAULT_MAX_TOKENS,
+            ge=1,
+            le=bridge.MAX_TOKENS_LIMIT,
+            description="Most tokens to generate.",
+        ),
+        temperature: float = Input(
+            default=1.0,
+            ge=bridge.TEMPERATURE_RANGE[0],
+            le=bridge.TEMPERATURE_RANGE[1],
+            description="0 is greedy.",
+        ),
+        top_p: float = Input(
+            default=1.0, ge=0.0, le=1.0, description="Nucleus sampling mass, above 0."
+        ),
+        top_k: int = Input(default=0, ge=0, le=bridge.TOP_K_MAX, description="0 disables."),
+        presence_penalty: float = Input(
+            default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]
+        ),
+        frequency_penalty: float = Input(
+            default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]
+        ),
+        stop_sequences: str = Input(
+            default="", description="Comma-separated strings that end the generation (up to 4)."
+        ),
+        seed: int | None = Input(default=None, ge=0, le=bridge.SEED_MAX),
+        request_id: str = Input(
+            default="",
+            max_length=bridge.REQUEST_ID_MAX_LENGTH,
+            description="Idempotency key: a repeat with the same inputs follows the same "
+            "generation instead of starting another.",
+        ),
+    ) -> ConcatenateIterator[str]:
+        signal = bridge.current_cancel_signal(under_coglet=coglet.server.active)
+        for key, value in bridge.engine_metrics(self.service).items():
+            self.record_metric(key, value)
+        body = bridge.chat_request_from_inputs(
+            self.service.settings,
+            prompt=prompt,
+            system_prompt=system_prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            stop_sequences=stop_sequences,
+            seed=seed,
+        )
+        # Bad input raises a BundleError here: coglet turns it into a failed prediction.
+        generation = bridge.start_chat(self.service, body, request_id)
+        pieces: Iterator[str] = bridge.stream_text(
+            self.service, generation, self.loop, CancelationException, signal
+        )
+        return pieces  # type: ignore[return-value]  # coglet streams a returned sync generator

@@ -1,0 +1,476 @@
+"""The Cog runner, proven against the real Cog server (coglet 0.23.1) and the real CPU engine.
+
+One server for the module: `python -m cog.server.http` from the repository root with
+COG_PREDICT_TYPE_STUB=cog/predict.py:Runner, COG_MAX_CONCURRENCY=4, the tiny model. Its own
+process group, killed at the end. The unit tests above it need no server.
+
+Observing the engine from outside: every prediction reports, in its `metrics`,
+`engine_running_requests` = vLLM's own count of unfinished requests read just before that
+prediction is admitted. A one-token "probe" prediction therefore tells us what the engine holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from shared import cog_bridge as bridge
+from shared.errors import InvalidRequest
+from shared.settings import Settings
+
+from .conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER_REF = "cog/predict.py:Runner"
+SERVER_LIMIT_MAX_TOKENS = 1800  # set through BUNDLE_* to prove the environment reaches the runner
+LONG = {"prompt": "tell me a long story", "max_tokens": 900, "temperature": 1.0}
+
+
+# --- no server ------------------------------------------------------------------------------
+def test_schema_file_matches_runner_signature() -> None:
+    """`make cog-schema` output must equal the checked-in file (run it after changing run())."""
+    fresh = subprocess.run(
+        [sys.executable, "-m", "shared.cog_schema", RUNNER_REF],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BUNDLE_")},
+    ).stdout
+    checked_in = (ROOT / ".cog" / "openapi_schema.json").read_text()
+    assert fresh == checked_in, "run() changed: regenerate with `make cog-schema`"
+    schema = json.loads(checked_in)
+    assert schema["paths"]["/predictions"]["post"]["x-cog-streaming"] is True
+    assert schema["components"]["schemas"]["Output"]["x-cog-array-type"] == "iterator"
+    inputs = schema["components"]["schemas"]["Input"]["properties"]
+    assert set(inputs) == {
+        "prompt",
+        "system_prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop_sequences",
+        "seed",
+        "request_id",
+    }
+    assert inputs["max_tokens"]["maximum"] == Settings().max_tokens_limit
+
+
+def test_cog_yaml_pins_and_matches_runner() -> None:
+    config = yaml.safe_load((ROOT / "cog.yaml").read_text())
+    assert config["run"] == RUNNER_REF
+    assert config["build"]["gpu"] is True
+    assert "vllm==0.33.0" in config["build"]["python_packages"]
+    source = (ROOT / "cog" / "predict.py").read_text()
+    decorated = re.search(r"@cog\.concurrent\(max=(\d+)\)", source)
+    assert decorated and int(decorated.group(1)) == config["concurrency"]["max"]
+    assert not (ROOT / "cog" / "__init__.py").exists()  # would shadow the cog SDK
+
+
+def test_inputs_become_a_chat_request() -> None:
+    settings = Settings()
+    body = bridge.chat_request_from_inputs(
+        settings,
+        prompt="hi",
+        system_prompt="be brief",
+        max_tokens=7,
+        top_k=0,
+        stop_sequences=" END, ,STOP ",
+        seed=3,
+    )
+    assert body.message_dicts() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert (body.max_tokens, body.top_k, body.stop_list, body.seed, body.stream) == (
+        7,
+        None,
+        ("END", "STOP"),
+        3,
+        False,
+    )
+    assert bridge.split_stop_sequences(["a", " b "]) == ["a", "b"]
+    with pytest.raises(InvalidRequest, match="stop takes up to 4"):
+        bridge.chat_request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
+
+
+def test_weights_choose_the_model() -> None:
+    assert bridge.runner_settings("/src/weights", Settings()).model == "/src/weights"
+    assert bridge.runner_settings(None, Settings(model="org/m")).model == "org/m"
+
+
+def test_cancel_hook_fires_the_signal_of_the_run_it_submitted() -> None:
+    loop = asyncio.new_event_loop()
+    seen: list[bridge.CancelSignal | None] = []
+
+    async def inner() -> None:
+        seen.append(bridge.current_cancel_signal(under_coglet=True))
+
+    async def _ctx_wrapper(coro: Any) -> None:  # the name coglet 0.23.1 gives its wrapper
+        await coro
+
+    try:
+        future = bridge._submit_with_cancel_signal(_ctx_wrapper(inner()), loop)
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert future.done() and seen[0] is not None
+        fired: list[str] = []
+        seen[0].add(lambda: fired.append("aborted"))
+        future.cancel()  # what coglet does on POST /predictions/{id}/cancel
+        assert fired == ["aborted"] and seen[0].fired
+        seen[0].add(lambda: fired.append("late"))  # added after firing: runs at once
+        assert fired == ["aborted", "late"]
+    finally:
+        loop.close()
+
+
+def test_missing_hook_is_reported(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(bridge._hook_state, "warned", False)
+    with caplog.at_level(logging.WARNING, logger="shared.cog_bridge"):
+        assert bridge.current_cancel_signal(under_coglet=True) is None
+    assert "will not abort the engine request" in caplog.text
+    assert bridge.current_cancel_signal(under_coglet=False) is None
+
+
+# --- the real Cog server ----------------------------------------------------------------------
+@dataclass
+class CogServer:
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@pytest.fixture(scope="module")
+def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("cog") / "server.log"
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",  # worker: `python`
+        "COG_PREDICT_TYPE_STUB": RUNNER_REF,
+        "COG_MAX_CONCURRENCY": "4",
+        "PORT": str(port),
+        "BUNDLE_MAX_MODEL_LEN": "2048",
+        "BUNDLE_MAX_TOKENS_LIMIT": str(SERVER_LIMIT_MAX_TOKENS),
+    }
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cog.server.http", "--host", "127.0.0.1"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = CogServer(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        _wait_ready(server, timeout=240)
+        yield server
+    finally:
+        _stop(process)
+
+
+def _wait_ready(server: CogServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(f"{server.url}/health-check", timeout=5).json()["status"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            status = None
+        if status == "READY":
+            return
+        if status == "SETUP_FAILED" or server.process.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"cog server not ready; log:\n{server.log_path.read_text()[-4000:]}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)  # the server, its worker and vLLM's engine core
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@dataclass
+class Stream:
+    """One SSE prediction as the client saw it; times are seconds since the POST."""
+
+    status_code: int = 0
+    chunks: list[str] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    completed: dict[str, Any] | None = None
+    started_at: float = 0.0
+    ended_at: float = 0.0
+
+    @property
+    def duration(self) -> float:
+        return self.ended_at - self.started_at
+
+    @property
+    def first_output_after(self) -> float:
+        return self.chunk_times[0] - self.started_at
+
+
+async def sse_prediction(
+    client: httpx.AsyncClient,
+    url: str,
+    inputs: dict[str, Any],
+    clock: float,
+    prediction_id: str | None = None,
+    stream: Stream | None = None,
+) -> Stream:
+    stream = stream or Stream()
+    stream.started_at = time.monotonic() - clock
+    method, path = (
+        ("PUT", f"/predictions/{prediction_id}") if prediction_id else ("POST", "/predictions")
+    )
+    async with client.stream(
+        method, f"{url}{path}", json={"input": inputs}, headers={"Accept": "text/event-stream"}
+    ) as response:
+        stream.status_code = response.status_code
+        event = None
+        if response.status_code == 200:
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:])
+                    if event == "output":
+                        stream.chunks.append(data["chunk"])
+                        stream.chunk_times.append(time.monotonic() - clock)
+                    elif event == "completed":
+                        stream.completed = data
+    stream.ended_at = time.monotonic() - clock
+    return stream
+
+
+def probe(url: str) -> dict[str, Any]:
+    """A one-token prediction; its metrics say what the engine held when it arrived."""
+    response = httpx.post(
+        f"{url}/predictions", json={"input": {"prompt": "ping", "max_tokens": 1}}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
+    async def go() -> Stream:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await sse_prediction(
+                client, cog_server.url, {**LONG, "seed": 1}, time.monotonic()
+            )
+
+    stream = asyncio.run(go())
+    assert stream.completed is not None and stream.completed["status"] == "succeeded"
+    assert len(stream.chunks) > 50
+    assert stream.first_output_after < stream.duration / 2, (
+        stream.first_output_after,
+        stream.duration,
+    )
+    assert "".join(stream.chunks) == "".join(stream.completed["output"])
+    print(
+        f"\nSSE: first output at {stream.first_output_after:.2f} s of {stream.duration:.2f} s, "
+        f"{len(stream.chunks)} chunks"
+    )
+
+
+def test_four_stream_at_once_and_a_fifth_is_refused_or_waits(cog_server: CogServer) -> None:
+    async def go() -> tuple[list[Stream], int, Stream | None]:
+        clock = time.monotonic()
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [
+                asyncio.create_task(
+                    sse_prediction(client, cog_server.url, {**LONG, "seed": 10 + i}, clock)
+                )
+                for i in range(4)
+            ]
+            await asyncio.sleep(0.3)  # all four admitted and streaming
+            fifth = await client.post(
+                f"{cog_server.url}/predictions",
+                json={"input": {"prompt": "fifth", "max_tokens": 5}},
+            )
+            streams = await asyncio.gather(*tasks)
+            retried = None
+            if fifth.status_code == 409:  # refused while full: nothing was started, try again
+                retried = await sse_prediction(
+                    client, cog_server.url, {"prompt": "fifth", "max_tokens": 5}, clock
+                )
+            else:
+                assert fifth.json()["status"] == "succeeded"
+            return streams, fifth.status_code, retried
+
+    streams, fifth_status, retried = asyncio.run(go())
+    for stream in streams:
+        print(
+            f"\nstream: first output {stream.chunk_times[:1]}, last {stream.chunk_times[-1:]}, "
+            f"end {stream.ended_at:.2f}, {len(stream.chunks)} chunks"
+        )
+    for stream in streams:
+        assert stream.completed is not None and stream.completed["status"] == "succeeded"
+        assert len(stream.chunks) > 50
+        assert stream.first_output_after < stream.duration / 2, (
+            stream.first_output_after,
+            stream.duration,
+        )
+        assert "".join(stream.chunks) == "".join(stream.completed["output"])  # nothing lost
+    windows_open = max(s.chunk_times[0] for s in streams)
+    windows_close = min(s.chunk_times[-1] for s in streams)
+    assert windows_open < windows_close, "the four streaming windows do not overlap"
+    assert fifth_status in (409, 200)
+    if retried is not None:
+        assert retried.completed is not None and retried.completed["status"] == "succeeded"
+    print(
+        "\n4 concurrent: "
+        + "; ".join(f"first {s.first_output_after:.2f}/{s.duration:.2f} s" for s in streams)
+        + f"; all streaming from {windows_open:.2f} to {windows_close:.2f} s; fifth: {fifth_status}"
+    )
+
+
+def test_cancel_leaves_no_running_engine_request(cog_server: CogServer) -> None:
+    url = cog_server.url
+    canceled_at: dict[str, float] = {}
+
+    async def go() -> tuple[Stream, int, float]:
+        clock = time.monotonic()
+        async with httpx.AsyncClient(timeout=120) as client:
+            live = Stream()
+            task = asyncio.create_task(
+                sse_prediction(
+                    client,
+                    url,
+                    {**LONG, "max_tokens": SERVER_LIMIT_MAX_TOKENS, "seed": 5},
+                    clock,
+                    prediction_id="cancel-me",
+                    stream=live,
+                )
+            )
+            while len(live.chunks) < 5 and not task.done():  # noqa: ASYNC110 (streaming now)
+                await asyncio.sleep(0.01)
+            during = await asyncio.to_thread(probe, url)
+            canceled_at["t"] = time.monotonic()
+            response = await client.post(f"{url}/predictions/cancel-me/cancel")
+            stream = await task
+            return stream, response.status_code, during["metrics"]["engine_running_requests"]
+
+    stream, cancel_status, running_before = asyncio.run(go())
+    # The probe must see the stream's request in the engine, else this test proves nothing.
+    assert running_before == 1, (running_before, len(stream.chunks), stream.completed)
+    assert cancel_status == 200
+    waited = 0.0
+    while True:
+        running = probe(url)["metrics"]["engine_running_requests"]
+        waited = time.monotonic() - canceled_at["t"]
+        if running == 0 or waited > 3:
+            break
+    assert running == 0 and waited < 1.0, (running, waited)
+    assert stream.completed is not None and stream.completed["status"] == "canceled"
+    assert len(stream.chunks) < SERVER_LIMIT_MAX_TOKENS * 3 // 4  # stopped, not ran to the end
+    print(
+        f"\ncancel: engine empty {waited:.2f} s after the cancel; stream ended after "
+        f"{len(stream.chunks)} chunks at {stream.duration:.2f} s"
+    )
+
+
+def test_out_of_range_input_is_422_before_the_runner(cog_server: CogServer) -> None:
+    for bad in ({"max_tokens": 0}, {"temperature": 2.5}, {"top_p": -1}, {"request_id": "x" * 300}):
+        response = httpx.post(
+            f"{cog_server.url}/predictions", json={"input": {"prompt": "hi", **bad}}, timeout=30
+        )
+        assert response.status_code == 422, (bad, response.text)
+        assert response.json()["detail"][0]["loc"][-1] == next(iter(bad))
+    missing = httpx.post(f"{cog_server.url}/predictions", json={"input": {}}, timeout=30)
+    assert missing.status_code == 422
+    # Nothing reached the runner: no prediction was admitted, the engine holds nothing.
+    assert probe(cog_server.url)["metrics"]["engine_running_requests"] == 0
+
+
+def test_core_rejections_are_failed_predictions_with_the_reason(cog_server: CogServer) -> None:
+    # Within the schema's bound (4096) but above this server's BUNDLE_MAX_TOKENS_LIMIT: this
+    # also proves that BUNDLE_* settings reach the runner inside coglet's worker.
+    body = httpx.post(
+        f"{cog_server.url}/predictions",
+        json={"input": {"prompt": "hi", "max_tokens": SERVER_LIMIT_MAX_TOKENS + 1}},
+        timeout=30,
+    ).json()
+    assert body["status"] == "failed"
+    assert f"limit of {SERVER_LIMIT_MAX_TOKENS}" in body["error"]
+    body = httpx.post(
+        f"{cog_server.url}/predictions", json={"input": {"prompt": "hi " * 3000}}, timeout=30
+    ).json()
+    assert body["status"] == "failed" and "context" in body["error"]
+
+
+def test_same_request_id_follows_the_same_generation(cog_server: CogServer) -> None:
+    inputs = {"prompt": "dedup", "max_tokens": 40, "temperature": 1.0, "request_id": "same-1"}
+    outputs = [
+        httpx.post(f"{cog_server.url}/predictions", json={"input": inputs}, timeout=60).json()
+        for _ in range(2)
+    ]
+    assert [o["status"] for o in outputs] == ["succeeded", "succeeded"]
+    texts = ["".join(o["output"]) for o in outputs]
+    assert texts[0] == texts[1]  # unseeded sampling: the same text means one generation
+
+
+def test_dead_engine_is_unhealthy_and_fails_predictions(cog_server: CogServer) -> None:
+    """Last on purpose: it kills the module's engine."""
+    assert httpx.get(f"{cog_server.url}/health-check", timeout=15).json()["status"] == "READY"
+    group = os.getpgid(cog_server.process.pid)
+    engine_cores = [
+        int(pid)
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and _is_engine_core(int(pid), group)
+    ]
+    assert engine_cores, "no vLLM engine core process found in the server's process group"
+    for pid in engine_cores:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    status = None
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{cog_server.url}/health-check", timeout=15).json()["status"]
+        if status == "UNHEALTHY":
+            break
+        time.sleep(0.5)
+    assert status == "UNHEALTHY"
+    body = httpx.post(
+        f"{cog_server.url}/predictions",
+        json={"input": {"prompt": "hi", "max_tokens": 5}},
+        timeout=30,
+    ).json()
+    assert body["status"] == "failed" and body.get("error"), body
+
+
+def _is_engine_core(pid: int, group: int) -> bool:
+    try:
+        if os.getpgid(pid) != group:
+            return False
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ProcessLookupError):
+        return False
+    return "EngineCore" in name or "EngineCore" in cmdline

@@ -1,0 +1,222 @@
+"""The Modal wrapper: it imports offline, its decorators follow the settings, and the app that
+`Server().web.local()` returns (enter hook run locally) serves the core's contract on the CPU
+engine with the tiny model. One engine for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "sk-modal-test"
+
+
+def load_modal_app(monkeypatch: pytest.MonkeyPatch, **env: str) -> ModuleType:
+    """Import modal_app.app afresh, as `modal deploy` would, under exactly these BUNDLE_* vars."""
+    for name in list(os.environ):
+        if name.startswith("BUNDLE_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    sys.modules.pop("modal_app.app", None)
+    return importlib.import_module("modal_app.app")
+
+
+# --- offline import and decorator values --------------------------------------------------------
+def test_imports_offline_without_token_warnings_as_errors(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MODAL_", "BUNDLE_"))}
+    env["MODAL_CONFIG_PATH"] = str(tmp_path / "no-modal.toml")  # no token anywhere
+    code = (
+        "import sys, modal_app.app as m; "
+        "assert m.Server is not None and m.app.name == 'vllm-serverless-bundle'; "
+        # A thin wrapper: deploying needs neither the engine nor the web stack.
+        "heavy = {'vllm', 'torch', 'fastapi'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(
+        monkeypatch,
+        BUNDLE_MODAL_GPU="L40S",
+        BUNDLE_MAX_NUM_SEQS="48",
+        BUNDLE_MODAL_TIMEOUT_S="900",
+        BUNDLE_MODAL_STARTUP_TIMEOUT_S="600",
+        BUNDLE_MODAL_REQUIRES_PROXY_AUTH="true",
+    )
+    settings = Settings()
+    info = module.Server._get_class_service_function().info()
+
+    assert info.gpus == [(settings.modal_gpu, 1)] == [("L40S", 1)]
+    assert info.timeout == settings.modal_timeout_s == 900
+    assert info.startup_timeout == settings.modal_startup_timeout_s == 600
+    max_inputs, target_inputs = settings.modal_concurrency()
+    assert (
+        (info.concurrency_info.max_inputs, info.concurrency_info.target_inputs)
+        == (
+            max_inputs,
+            target_inputs,
+        )
+        == (48, 24)
+    )  # max_num_seqs, and half of it
+    assert set(info.volumes) == {module.HF_CACHE_DIR, module.VLLM_CACHE_DIR}
+    assert info.method_details["web"].unauthenticated is False  # requires_proxy_auth
+
+
+def test_concurrency_overrides_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(
+        monkeypatch, BUNDLE_MODAL_MAX_INPUTS="100", BUNDLE_MODAL_TARGET_INPUTS="80"
+    )
+    concurrency = module.Server._get_class_service_function().info().concurrency_info
+    assert (concurrency.max_inputs, concurrency.target_inputs) == (100, 80)
+    assert Settings().modal_concurrency() == (100, 80)
+    unset = {"modal_max_inputs": None, "modal_target_inputs": None}
+    assert Settings(max_num_seqs=1, **unset).modal_concurrency() == (1, 1)
+    assert Settings(max_num_seqs=7, **unset).modal_concurrency() == (7, 3)
+    with pytest.raises(ValueError, match="TARGET_INPUTS"):
+        Settings(modal_max_inputs=4, modal_target_inputs=5).modal_concurrency()
+
+
+def test_the_container_rebuilds_the_deploy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(monkeypatch, BUNDLE_MAX_NUM_SEQS="32", BUNDLE_MODAL_GPU="A100-80GB")
+    deployed = module.SETTINGS
+    # Nothing set: the pinned model and revision are served, and travel to the container.
+    assert (deployed.model, deployed.model_revision) == (module.MODEL, module.MODEL_REVISION)
+    assert module.CONTAINER_ENV["BUNDLE_MODEL_REVISION"] == module.MODEL_REVISION
+
+    # Inside the container only CONTAINER_ENV is set, and the module is imported again.
+    container_env = {k: v for k, v in module.CONTAINER_ENV.items() if k.startswith("BUNDLE_")}
+    rebuilt = load_modal_app(monkeypatch, **container_env).SETTINGS
+    differs = {"cache_dir"}  # moved onto the Hugging Face cache volume, on purpose
+    assert rebuilt.model_dump(exclude=differs) == deployed.model_dump(exclude=differs)
+
+
+def test_an_explicit_model_drops_the_pinned_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(monkeypatch, BUNDLE_MODEL="Qwen/Qwen2.5-7B-Instruct")
+    assert (module.SETTINGS.model, module.SETTINGS.model_revision) == (
+        "Qwen/Qwen2.5-7B-Instruct",
+        None,
+    )
+    assert "BUNDLE_MODEL_REVISION" not in module.CONTAINER_ENV
+
+
+def test_the_api_key_travels_only_as_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(monkeypatch, BUNDLE_API_KEY=API_KEY)
+    assert not any(API_KEY in value for value in module.CONTAINER_ENV.values())
+    secrets = module.Server._get_class_service_function().info().secrets
+    assert any("BUNDLE_API_KEY" in secret for secret in secrets)
+
+    module = load_modal_app(
+        monkeypatch, BUNDLE_API_KEY=API_KEY, BUNDLE_MODAL_SECRET_NAME="llm-keys"
+    )
+    secrets = module.Server._get_class_service_function().info().secrets
+    assert any("llm-keys" in secret for secret in secrets)
+    assert not any("BUNDLE_API_KEY" in secret for secret in secrets)
+
+
+# --- the local app: Server().web.local() served by uvicorn ----------------------------------
+class LocalServer:
+    def __init__(self, base_url: str, settings: Settings) -> None:
+        self.base_url = base_url
+        self.settings = settings
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[LocalServer]:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        module = load_modal_app(
+            monkeypatch,
+            BUNDLE_MODEL="tiny",
+            BUNDLE_MAX_NUM_SEQS="8",
+            BUNDLE_MAX_MODEL_LEN="256",
+            BUNDLE_API_KEY=API_KEY,
+        )
+        # .local() runs the enter hook here, then the asgi_app method; Modal warns that the
+        # volumes are not mounted locally, which is expected.
+        with pytest.warns(UserWarning, match="Volume"):
+            web_app = module.Server().web.local()
+        assert web_app.state.settings is module.SETTINGS
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(web_app, lifespan="on", log_level="warning"))
+        # uvicorn's loop runs the app's lifespan, which opens the engine on that same loop.
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 300
+        while not server.started:
+            assert thread.is_alive(), "uvicorn exited: the app's lifespan failed to start"
+            assert time.monotonic() < deadline, "the engine did not start within 300 s"
+            time.sleep(0.2)
+        try:
+            yield LocalServer(f"http://127.0.0.1:{port}", module.SETTINGS)
+        finally:
+            server.should_exit = True  # lifespan shutdown closes the engine
+            thread.join(timeout=120)
+            sock.close()
+    assert not thread.is_alive()
+
+
+def test_health_is_public_and_the_api_is_not(served: LocalServer) -> None:
+    assert httpx.get(f"{served.base_url}/health").status_code == 200
+    response = httpx.get(f"{served.base_url}/v1/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["message"]
+
+
+def test_openai_sdk_streams_a_chat_completion(served: LocalServer) -> None:
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert text
+    assert finish == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+
+def test_the_local_entrypoint_smoke_runs_against_the_app(served: LocalServer) -> None:
+    from modal_app.smoke import run_smoke
+
+    result = asyncio.run(run_smoke(served.base_url, served.settings, max_tokens=24))
+    assert result.completion_tokens == 24
+    assert result.text
+    assert 0 < result.time_to_first_token_s < result.total_s
+    assert result.tokens_per_s > 0
+    assert "tokens/s" in result.summary()
