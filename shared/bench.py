@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import contextlib
 import datetime as dt
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,14 @@ import httpx
 import orjson
 
 from shared.engine import engine_args
-from shared.loadgen import Workload, engine_requester, http_requester, run_level, summarise
+from shared.loadgen import (
+    Workload,
+    engine_requester,
+    http_requester,
+    run_level,
+    run_level_in_processes,
+    summarise,
+)
 from shared.settings import Settings
 
 TARGETS = ("raw", "bundle", "vllm_server")
@@ -48,12 +57,23 @@ async def bench_raw(settings: Settings, workload: Workload, levels: list[int], r
 
 
 async def bench_http(
-    url: str, workload: Workload, levels: list[int], rounds: int, api_key: str | None = None
+    url: str, workload: Workload, levels: list[int], rounds: int, api_key: str | None = None,
+    clients: int = 1,
 ) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(levels))
     timeout = httpx.Timeout(30.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        return await _levels(http_requester(client, workload, api_key), workload, levels, rounds)
+        if clients <= 1:
+            return await _levels(http_requester(client, workload, api_key), workload, levels, rounds)
+        await run_level(http_requester(client, workload, api_key), workload.prompts(4), 4)
+    spawn = multiprocessing.get_context("spawn")
+    results = []
+    with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
+        for level in levels:
+            prompts = workload.prompts(level * rounds)
+            results.append(run_level_in_processes(pool, url, workload, prompts, level, clients, api_key))
+            print(_line(results[-1]), flush=True)
+    return results
 
 
 async def _levels(one: Any, workload: Workload, levels: list[int], rounds: int) -> list[dict]:
@@ -166,7 +186,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             command = bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
             with running_server(command, port, out / f"{target}.log", env) as pid:
                 url = f"http://127.0.0.1:{port}"
-                results[target] = {"levels": asyncio.run(bench_http(url, workload, levels, args.rounds))}
+                levels_run = bench_http(url, workload, levels, args.rounds, clients=args.clients)
+                results[target] = {"levels": asyncio.run(levels_run), "client_processes": args.clients}
                 if target == "bundle" and args.capacity:
                     results[target]["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
                     results[target]["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
@@ -275,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--prompt-tokens", type=int, default=128)
         p.add_argument("--output-tokens", type=int, default=64)
         p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
+        p.add_argument("--clients", type=int, default=1 if (os.cpu_count() or 1) <= 4 else 4,
+                       help="client processes for HTTP targets (default: 4 on machines with >4 CPUs)")
     suite = sub.choices["suite"]
     suite.add_argument("--out", default="bench/results")
     suite.add_argument("--targets", default=",".join(TARGETS))
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, model=args.model)
     levels = [int(x) for x in args.levels.split(",")]
-    asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key))
+    asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class Generation:
         self.abort_reason = "cancelled"
         self.task: asyncio.Task[None] | None = None
         self.grace_timer: asyncio.TimerHandle | None = None
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # made only when a reader waits
 
     # --- writing (the producer task only) ----------------------------------------------------
     def emit(self, data: bytes) -> None:
@@ -71,8 +71,24 @@ class Generation:
         self._wake()
 
     def _wake(self) -> None:
-        self._wakeup.set()
-        self._wakeup = asyncio.Event()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _changed(self) -> None:
+        """Wait for the next event or the end. One shared future per wake-up: cheaper than an
+        asyncio.Event per event on the per-token path (profiled), and none at all when nobody
+        is waiting. Callers re-check state after waking, so a spurious wake-up is harmless."""
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        except asyncio.CancelledError:
+            # Awaiting a shared future: a cancelled reader cancels it for everyone. Only the
+            # reader that is itself being cancelled re-raises; the others just wake up.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
 
     def on_delta(self, text: str, token_count: int, finish_reason: str | None) -> None:
         self.usage.completion_tokens += token_count
@@ -125,7 +141,7 @@ class Generation:
                 continue
             if self.done:
                 return
-            await self._wakeup.wait()
+            await self._changed()
             if coalesce_s:
                 await asyncio.sleep(coalesce_s)
 
@@ -145,11 +161,11 @@ class Generation:
                 if self.error is not None:
                     raise self.error
                 return
-            await self._wakeup.wait()
+            await self._changed()
 
     async def wait(self) -> None:
         while not self.done:
-            await self._wakeup.wait()
+            await self._changed()
 
     def response(self) -> dict[str, Any]:
         """The non-streaming body; raises the generation's error if it failed."""
