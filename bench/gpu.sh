@@ -22,7 +22,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
-common=(--levels 1,16,64,256 --rounds 1 --prompt-tokens 512 --output-tokens 256 --vocab 128000
+common=(--levels 1,16,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000
         --clients 4 --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
 case "$stage" in
   raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;

@@ -202,7 +202,7 @@ def run_level_in_processes(
     clients: int, api_key: str | None = None,
 ) -> dict[str, Any]:
     clients = max(1, min(clients, concurrency))
-    start_at = time.time() + 1.0  # every process starts its share at the same instant
+    start_at = time.time() + 3.0  # every process starts its share at the same instant
     futures = [
         pool.submit(_client_process, url, workload, prompts[i::clients],
                     -(-concurrency // clients), start_at, api_key)
@@ -231,6 +231,10 @@ async def _client_share(
     timeout = httpx.Timeout(30.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         one = http_requester(client, workload, api_key)
+        # Open the connections before the clock starts, as the single-process path's warm-up
+        # does: TCP set-up is not the server's time to first token.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        await asyncio.gather(*(client.get("/v1/models", headers=headers) for _ in range(concurrency)))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         gate = asyncio.Semaphore(concurrency)
 
