@@ -74,7 +74,7 @@ class Runner(BaseRunner):
             description="0 is greedy.",
         ),
         top_p: float = Input(
-            default=1.0, ge=0.0, le=1.0, description="Nucleus sampling mass, above 0."
+            default=1.0, ge=bridge.TOP_P_MIN, le=1.0, description="Nucleus sampling mass, above 0."
         ),
         top_k: int = Input(default=0, ge=0, le=bridge.TOP_K_MAX, description="0 disables."),
         presence_penalty: float = Input(
@@ -86,7 +86,9 @@ class Runner(BaseRunner):
         stop_sequences: str = Input(
             default="", description="Comma-separated strings that end the generation (up to 4)."
         ),
-        seed: int | None = Input(default=None, ge=0, le=bridge.SEED_MAX),
+        seed: int | None = Input(
+            default=None, ge=0, le=bridge.SEED_MAX, description="Omit for random sampling."
+        ),
         request_id: str = Input(
             default="",
             max_length=bridge.REQUEST_ID_MAX_LENGTH,

@@ -40,6 +40,9 @@ _DEFAULTS = Settings.model_fields
 MAX_TOKENS_LIMIT: int = _DEFAULTS["max_tokens_limit"].default
 DEFAULT_MAX_TOKENS: int = _DEFAULTS["default_max_tokens"].default
 TEMPERATURE_RANGE = (0.0, 2.0)  # shared.protocol's bounds for the OpenAI fields of the same name
+# shared.protocol takes top_p in (0, 1]. Cog's Input has only inclusive bounds (ge/le), so the
+# schema's floor is the smallest value we accept rather than 0: 0 gets 422, never the engine.
+TOP_P_MIN = 0.001
 PENALTY_RANGE = (-2.0, 2.0)
 TOP_K_MAX = 1_000_000  # any vocabulary; 0 means "off"
 SEED_MAX = 2**63 - 1

@@ -398,7 +398,14 @@ def test_cancel_leaves_no_running_engine_request(cog_server: CogServer) -> None:
 
 
 def test_out_of_range_input_is_422_before_the_runner(cog_server: CogServer) -> None:
-    for bad in ({"max_tokens": 0}, {"temperature": 2.5}, {"top_p": -1}, {"request_id": "x" * 300}):
+    bad_inputs = (
+        {"max_tokens": 0},
+        {"temperature": 2.5},
+        {"top_p": 0},  # the core takes top_p > 0 only
+        {"top_p": -1},
+        {"request_id": "x" * 300},
+    )
+    for bad in bad_inputs:
         response = httpx.post(
             f"{cog_server.url}/predictions", json={"input": {"prompt": "hi", **bad}}, timeout=30
         )
