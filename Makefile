@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) -m shared.bench --out bench/results
+	$(PY) -m shared.bench suite --out bench/results
 
 cog-schema: $(STAMP)
 	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json

@@ -37,22 +37,48 @@ def representatives(entries: list[Entry], results: list[ModeResult]) -> dict[str
     return {mode: e for mode, (_, e) in best.items()}
 
 
-def mode_break_evens(cat: Catalogue, reps: dict[str, Entry], w: Workload, s: ServiceProfile,
-                     ov: Overrides) -> list[BreakEven]:
+def mode_break_evens(
+    cat: Catalogue, reps: dict[str, Entry], w: Workload, s: ServiceProfile, ov: Overrides
+) -> list[BreakEven]:
     found: list[BreakEven] = []
     items = list(reps.values())
     for i, a in enumerate(items):
-        for b in items[i + 1:]:
-            found += crossings(a.id, lambda r, e=a: monthly_cost(cat, e, w, s, ov, r),
-                               b.id, lambda r, e=b: monthly_cost(cat, e, w, s, ov, r), *RATE_RANGE)
+        for b in items[i + 1 :]:
+            found += crossings(
+                a.id,
+                lambda r, e=a: monthly_cost(cat, e, w, s, ov, r),
+                b.id,
+                lambda r, e=b: monthly_cost(cat, e, w, s, ov, r),
+                *RATE_RANGE,
+            )
     return sorted(found, key=lambda be: be.requests_per_day)
 
 
-def analyse(cat: Catalogue, entries: list[Entry], w: Workload, s: ServiceProfile, ov: Overrides,
-            max_cold_fraction: float, notes: list[str]) -> Analysis:
+def analyse(
+    cat: Catalogue,
+    entries: list[Entry],
+    w: Workload,
+    s: ServiceProfile,
+    ov: Overrides,
+    max_cold_fraction: float,
+    notes: list[str],
+) -> Analysis:
     results = evaluate_all(cat, entries, w, s, ov)
     reps = representatives(entries, results)
     serverless = reps.get("per-second")
-    tips = advise(serverless, cat.rules_for(serverless), w, s, ov, max_cold_fraction) if serverless else []
-    return Analysis(w, s, ov, results, reps, mode_break_evens(cat, reps, w, s, ov), tips,
-                    serverless.id if serverless else None, notes)
+    tips = (
+        advise(serverless, cat.rules_for(serverless), w, s, ov, max_cold_fraction)
+        if serverless
+        else []
+    )
+    return Analysis(
+        w,
+        s,
+        ov,
+        results,
+        reps,
+        mode_break_evens(cat, reps, w, s, ov),
+        tips,
+        serverless.id if serverless else None,
+        notes,
+    )

@@ -30,7 +30,8 @@ def _point(level: dict[str, Any]) -> ThroughputPoint | None:
         return None  # a level that produced nothing (e.g. all errors) carries no information
     ttft = (level.get("ttft_s") or {}).get("p50")
     return ThroughputPoint(
-        concurrency=conc, per_stream_tokens_per_s=float(per_stream),
+        concurrency=conc,
+        per_stream_tokens_per_s=float(per_stream),
         ttft_s=None if ttft is None else float(ttft),
     )
 
@@ -44,7 +45,8 @@ def profile_from_bench(data: dict[str, Any], cold_start_s: float | None = None) 
         points.sort(key=lambda p: p.concurrency)
         cold = data.get("cold_start_s") if cold_start_s is None else cold_start_s
         return ServiceProfile(
-            points=tuple(points), ttft_s=points[0].ttft_s or 0.0 if points else 0.0,
+            points=tuple(points),
+            ttft_s=points[0].ttft_s or 0.0 if points else 0.0,
             cold_start_s=float(cold or 0.0),
             label=f"bench {data.get('model', '?')} on {data.get('machine', '?')} ({name})",
         )

@@ -5,10 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_model.catalogue import (
-    BillingRules, PerRequestEntry, PerSecondEntry, PerTokenEntry, ReservedEntry,
+    BillingRules,
+    PerRequestEntry,
+    PerSecondEntry,
+    PerTokenEntry,
+    ReservedEntry,
 )
 from cost_model.constants import DAYS_PER_MONTH, HOURS_PER_DAY, SECONDS_PER_DAY, TOKENS_PER_MILLION
-from cost_model.queueing import PoolStats, Rules, effective_concurrency, poisson_pool, sharing, steady_pool
+from cost_model.queueing import (
+    PoolStats,
+    Rules,
+    effective_concurrency,
+    poisson_pool,
+    sharing,
+    steady_pool,
+)
 from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
@@ -67,7 +78,9 @@ def resolve_rules(rules: BillingRules, service: ServiceProfile, ov: Overrides) -
     )
 
 
-def _pool(workload: Workload, service: ServiceProfile, rules: Rules) -> list[tuple[float, PoolStats]]:
+def _pool(
+    workload: Workload, service: ServiceProfile, rules: Rules
+) -> list[tuple[float, PoolStats]]:
     """(segment seconds, pool statistics) for every segment of the day."""
     cap = effective_concurrency(service, rules.concurrency)
     out = []
@@ -82,18 +95,30 @@ def peak_replicas(workload: Workload, service: ServiceProfile, rules: Rules) -> 
     return max(stats.replicas for _, stats in _pool(workload, service, rules))
 
 
-def per_second(entry: PerSecondEntry, platform: BillingRules, workload: Workload,
-               service: ServiceProfile, ov: Overrides) -> ModeResult:
+def per_second(
+    entry: PerSecondEntry,
+    platform: BillingRules,
+    workload: Workload,
+    service: ServiceProfile,
+    ov: Overrides,
+) -> ModeResult:
     """Serverless GPU billed per second of replica uptime (what is billed follows the rules)."""
     rules = resolve_rules(platform, service, ov)
-    extras = ov.cpu_cores * platform.cpu_usd_per_core_second + ov.memory_gib * platform.memory_usd_per_gib_second
+    extras = (
+        ov.cpu_cores * platform.cpu_usd_per_core_second
+        + ov.memory_gib * platform.memory_usd_per_gib_second
+    )
     price = entry.usd_per_second + extras
     pool = _pool(workload, service, rules)
     billable = sum(secs * s.billed for secs, s in pool)
     colds = sum(secs * s.cold_per_s for secs, s in pool)
     peak = max(max(s.replicas for _, s in pool), rules.min_containers)
     first = pool[0][1]
-    billed_what = "+".join(n for n, on in (("setup", rules.bills_setup), ("idle", rules.bills_idle), ("active", True)) if on)
+    billed_what = "+".join(
+        n
+        for n, on in (("setup", rules.bills_setup), ("idle", rules.bills_idle), ("active", True))
+        if on
+    )
     working = (
         f"request time S = {first.request_s:.2f} s with {first.sharing:.2f} streams sharing a replica "
         f"(concurrency limit {effective_concurrency(service, rules.concurrency)})",
@@ -103,44 +128,77 @@ def per_second(entry: PerSecondEntry, platform: BillingRules, workload: Workload
         + (f" (GPU ${entry.usd_per_second:.7f} + CPU/memory ${extras:.7f})" if extras else ""),
     )
     return ModeResult(
-        entry.id, entry.platform, "per-second", workload.requests_per_day, billable * price,
-        billable_seconds_per_day=billable, replicas_at_peak=peak, cold_starts_per_day=colds,
-        cold_start_fraction=colds / workload.requests_per_day, working=working,
+        entry.id,
+        entry.platform,
+        "per-second",
+        workload.requests_per_day,
+        billable * price,
+        billable_seconds_per_day=billable,
+        replicas_at_peak=peak,
+        cold_starts_per_day=colds,
+        cold_start_fraction=colds / workload.requests_per_day,
+        working=working,
         output_tokens=workload.output_tokens,
     )
 
 
-def reserved(entry: ReservedEntry, platform: BillingRules, workload: Workload,
-             service: ServiceProfile, ov: Overrides) -> ModeResult:
+def reserved(
+    entry: ReservedEntry,
+    platform: BillingRules,
+    workload: Workload,
+    service: ServiceProfile,
+    ov: Overrides,
+) -> ModeResult:
     """Machines rented by the hour: enough for the peak, paid all day."""
     rules = resolve_rules(platform, service, ov)
     machines = max(1, peak_replicas(workload, service, rules), rules.min_containers)
     cost = machines * entry.usd_per_hour * HOURS_PER_DAY
     working = (f"{machines} machine(s) for the peak x 24 h x ${entry.usd_per_hour:.4f}/h",)
     return ModeResult(
-        entry.id, entry.platform, "reserved", workload.requests_per_day, cost,
-        billable_seconds_per_day=machines * SECONDS_PER_DAY, replicas_at_peak=machines,
-        cold_starts_per_day=0.0, cold_start_fraction=0.0, working=working,
+        entry.id,
+        entry.platform,
+        "reserved",
+        workload.requests_per_day,
+        cost,
+        billable_seconds_per_day=machines * SECONDS_PER_DAY,
+        replicas_at_peak=machines,
+        cold_starts_per_day=0.0,
+        cold_start_fraction=0.0,
+        working=working,
         output_tokens=workload.output_tokens,
     )
 
 
 def per_token(entry: PerTokenEntry, workload: Workload) -> ModeResult:
     """Hosted API billed per input and output token; the host absorbs idle and cold starts."""
-    per_req = (workload.prompt_tokens * entry.usd_per_million_input
-               + workload.output_tokens * entry.usd_per_million_output) / TOKENS_PER_MILLION
+    per_req = (
+        workload.prompt_tokens * entry.usd_per_million_input
+        + workload.output_tokens * entry.usd_per_million_output
+    ) / TOKENS_PER_MILLION
     working = (
         f"{workload.prompt_tokens} in x ${entry.usd_per_million_input}/M + "
         f"{workload.output_tokens} out x ${entry.usd_per_million_output}/M = ${per_req:.6f}/request",
     )
-    return ModeResult(entry.id, entry.platform, "per-token", workload.requests_per_day,
-                      per_req * workload.requests_per_day, working=working,
-                      output_tokens=workload.output_tokens)
+    return ModeResult(
+        entry.id,
+        entry.platform,
+        "per-token",
+        workload.requests_per_day,
+        per_req * workload.requests_per_day,
+        working=working,
+        output_tokens=workload.output_tokens,
+    )
 
 
 def per_request(entry: PerRequestEntry, workload: Workload) -> ModeResult:
     """A flat price per request, whatever its size."""
     working = (f"${entry.usd_per_request}/request x {workload.requests_per_day:,.0f} requests/day",)
-    return ModeResult(entry.id, entry.platform, "per-request", workload.requests_per_day,
-                      entry.usd_per_request * workload.requests_per_day, working=working,
-                      output_tokens=workload.output_tokens)
+    return ModeResult(
+        entry.id,
+        entry.platform,
+        "per-request",
+        workload.requests_per_day,
+        entry.usd_per_request * workload.requests_per_day,
+        working=working,
+        output_tokens=workload.output_tokens,
+    )

@@ -38,9 +38,17 @@ def _bisect(diff: CostFn, lo: float, hi: float) -> float:
     return math.sqrt(lo * hi)
 
 
-def crossings(name_a: str, cost_a: CostFn, name_b: str, cost_b: CostFn,
-              lo: float, hi: float, rel_tol: float = 1e-3) -> list[BreakEven]:
+def crossings(
+    name_a: str,
+    cost_a: CostFn,
+    name_b: str,
+    cost_b: CostFn,
+    lo: float,
+    hi: float,
+    rel_tol: float = 1e-3,
+) -> list[BreakEven]:
     """Every rate in [lo, hi] (requests/day) where the sign of cost_a - cost_b flips."""
+
     def diff(r: float) -> float:
         return cost_a(r) - cost_b(r)
 

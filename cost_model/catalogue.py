@@ -85,7 +85,9 @@ class Catalogue(BaseModel):
         for item in self.entries:
             if item.id == entry_id:
                 return item
-        raise CostModelError(f"unknown catalogue entry '{entry_id}' (see: python -m cost_model catalogue)")
+        raise CostModelError(
+            f"unknown catalogue entry '{entry_id}' (see: python -m cost_model catalogue)"
+        )
 
     def rules_for(self, entry: Entry) -> BillingRules:
         try:
@@ -122,7 +124,9 @@ def _read_json(path: Path) -> object:
     except (OSError, UnicodeDecodeError) as exc:
         raise CostModelError(f"cannot read catalogue file {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise CostModelError(f"malformed catalogue {path}: invalid JSON at line {exc.lineno}") from None
+        raise CostModelError(
+            f"malformed catalogue {path}: invalid JSON at line {exc.lineno}"
+        ) from None
 
 
 def load_packaged() -> Catalogue:
@@ -137,8 +141,10 @@ def merge(base: Catalogue, extra: Catalogue) -> Catalogue:
     replaced = {e.id for e in extra.entries}
     entries = [e for e in base.entries if e.id not in replaced] + list(extra.entries)
     return _validate(
-        {"platforms": {k: v.model_dump() for k, v in platforms.items()},
-         "entries": [e.model_dump() for e in entries]},
+        {
+            "platforms": {k: v.model_dump() for k, v in platforms.items()},
+            "entries": [e.model_dump() for e in entries],
+        },
         "(merged)",
     )
 
@@ -158,7 +164,10 @@ def load_override(path: Path, base: Catalogue) -> Catalogue:
 def add_entry(cat: Catalogue, raw_entry: dict[str, object]) -> Catalogue:
     """Add or replace one entry given as a plain dict (used by command-line price flags)."""
     extra = _validate(
-        {"platforms": {k: v.model_dump() for k, v in cat.platforms.items()}, "entries": [raw_entry]},
+        {
+            "platforms": {k: v.model_dump() for k, v in cat.platforms.items()},
+            "entries": [raw_entry],
+        },
         "(command line)",
     )
     return merge(cat, extra)

@@ -11,8 +11,9 @@ from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
 
-def evaluate(cat: Catalogue, entry: Entry, workload: Workload, service: ServiceProfile,
-             ov: Overrides) -> ModeResult:
+def evaluate(
+    cat: Catalogue, entry: Entry, workload: Workload, service: ServiceProfile, ov: Overrides
+) -> ModeResult:
     if entry.kind == "per_second":
         return billing.per_second(entry, cat.rules_for(entry), workload, service, ov)
     if entry.kind == "reserved_hourly":
@@ -22,11 +23,22 @@ def evaluate(cat: Catalogue, entry: Entry, workload: Workload, service: ServiceP
     return billing.per_request(entry, workload)
 
 
-def evaluate_all(cat: Catalogue, entries: Sequence[Entry], workload: Workload,
-                 service: ServiceProfile, ov: Overrides) -> list[ModeResult]:
+def evaluate_all(
+    cat: Catalogue,
+    entries: Sequence[Entry],
+    workload: Workload,
+    service: ServiceProfile,
+    ov: Overrides,
+) -> list[ModeResult]:
     return [evaluate(cat, e, workload, service, ov) for e in entries]
 
 
-def monthly_cost(cat: Catalogue, entry: Entry, workload: Workload, service: ServiceProfile,
-                 ov: Overrides, requests_per_day: float) -> float:
+def monthly_cost(
+    cat: Catalogue,
+    entry: Entry,
+    workload: Workload,
+    service: ServiceProfile,
+    ov: Overrides,
+    requests_per_day: float,
+) -> float:
     return evaluate(cat, entry, workload.with_rate(requests_per_day), service, ov).cost_per_month

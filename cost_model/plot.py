@@ -27,14 +27,21 @@ def write_plot(path: Path, cat: Catalogue, entries: list[Entry], an: Analysis) -
         ax.plot(rates, costs, label=f"{entry.id} ({entry.kind})", linewidth=width)
     for be in an.break_evens:
         ax.plot([be.requests_per_day], [be.monthly_cost], "ko", markersize=7)
-        ax.annotate(f"{be.requests_per_day:,.0f}/day", (be.requests_per_day, be.monthly_cost),
-                    textcoords="offset points", xytext=(6, -12), fontsize=8)
+        ax.annotate(
+            f"{be.requests_per_day:,.0f}/day",
+            (be.requests_per_day, be.monthly_cost),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=8,
+        )
     ax.axvline(an.workload.requests_per_day, color="grey", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("requests per day")
     ax.set_ylabel("USD per month")
-    ax.set_title("Monthly cost by billing option (black dots: break-evens between modes; dashed: this workload)")
+    ax.set_title(
+        "Monthly cost by billing option (black dots: break-evens between modes; dashed: this workload)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()

@@ -38,12 +38,12 @@ class Rules:
 
 @dataclass(frozen=True)
 class PoolStats:
-    billed: float          # replica-seconds billed per wall-clock second
-    busy: float            # replica-seconds with at least one request in flight, per second
-    cold_per_s: float      # cold starts per second
-    replicas: int          # replicas needed at this rate (Little's law)
-    sharing: float         # mean streams sharing a busy replica
-    request_s: float       # wall time of one request at that sharing
+    billed: float  # replica-seconds billed per wall-clock second
+    busy: float  # replica-seconds with at least one request in flight, per second
+    cold_per_s: float  # cold starts per second
+    replicas: int  # replicas needed at this rate (Little's law)
+    sharing: float  # mean streams sharing a busy replica
+    request_s: float  # wall time of one request at that sharing
 
 
 def effective_concurrency(service: ServiceProfile, concurrency: int) -> int:
@@ -61,7 +61,9 @@ def _occupancy(load: float, poisson: bool) -> float:
     return load / -math.expm1(-load)
 
 
-def sharing(rate: float, service: ServiceProfile, output_tokens: int, cap: int, poisson: bool) -> tuple[float, float]:
+def sharing(
+    rate: float, service: ServiceProfile, output_tokens: int, cap: int, poisson: bool
+) -> tuple[float, float]:
     """Solve k = min(cap, occupancy(rate x S(k))): streams slow each other down, which raises load.
 
     Each step is monotone in k, so iterating from k = 1 climbs to the smallest fixed point.
@@ -91,7 +93,9 @@ def _poisson_table(load: float, lo: int, hi: int) -> tuple[list[float], list[flo
     return pmf, cdf
 
 
-def _replica_share(rate: float, p: float, pmf_t: float, cdf_t: float, rules: Rules) -> tuple[float, float, float]:
+def _replica_share(
+    rate: float, p: float, pmf_t: float, cdf_t: float, rules: Rules
+) -> tuple[float, float, float]:
     """(billed, busy, cold starts) per second for one scale-to-zero replica."""
     begins = rate * pmf_t
     gap_rate = begins / cdf_t if cdf_t > 0 else rate
@@ -148,7 +152,9 @@ def steady_pool(rate: float, seconds: float, k: float, cap: int, rules: Rules) -
     busy = load / k
     idle_gap = 1.0 / rate - seconds
     if not rules.bills_idle:
-        return PoolStats(busy, busy, 0.0 if load >= 1 or idle_gap <= rules.window_s else rate, needed, k, seconds)
+        return PoolStats(
+            busy, busy, 0.0 if load >= 1 or idle_gap <= rules.window_s else rate, needed, k, seconds
+        )
     if load >= 1 or idle_gap <= rules.window_s or rules.min_containers >= 1:
         # Gaps never outlive the window (or a container is pinned): replicas simply stay up.
         return PoolStats(max(pinned, float(needed)), busy, 0.0, needed, k, seconds)

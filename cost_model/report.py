@@ -20,24 +20,43 @@ def _opt(x: float | int | None, fmt: str) -> str:
 
 
 def results_table(an: Analysis) -> Table:
-    table = Table(title=f"Cost at {an.workload.requests_per_day:,.0f} requests/day "
-                        f"({an.workload.arrival.value}), {an.workload.prompt_tokens} in / "
-                        f"{an.workload.output_tokens} out tokens", title_justify="left")
-    for col in ("entry", "mode", "billable s/day", "replicas@peak", "cold starts/day",
-                "$/request", "$/M out tok", "$/month"):
+    table = Table(
+        title=f"Cost at {an.workload.requests_per_day:,.0f} requests/day "
+        f"({an.workload.arrival.value}), {an.workload.prompt_tokens} in / "
+        f"{an.workload.output_tokens} out tokens",
+        title_justify="left",
+    )
+    for col in (
+        "entry",
+        "mode",
+        "billable s/day",
+        "replicas@peak",
+        "cold starts/day",
+        "$/request",
+        "$/M out tok",
+        "$/month",
+    ):
         table.add_column(col, justify="left" if col in ("entry", "mode") else "right")
     for r in sorted(an.results, key=lambda r: r.cost_per_day):
-        table.add_row(r.entry_id, r.mode, _opt(r.billable_seconds_per_day, ",.0f"),
-                      _opt(r.replicas_at_peak, "d"), _opt(r.cold_starts_per_day, ",.1f"),
-                      _money(r.cost_per_request), _money(r.cost_per_million_output),
-                      _money(r.cost_per_month))
+        table.add_row(
+            r.entry_id,
+            r.mode,
+            _opt(r.billable_seconds_per_day, ",.0f"),
+            _opt(r.replicas_at_peak, "d"),
+            _opt(r.cold_starts_per_day, ",.1f"),
+            _money(r.cost_per_request),
+            _money(r.cost_per_million_output),
+            _money(r.cost_per_month),
+        )
     return table
 
 
 def render_text(an: Analysis, console: Console) -> None:
     for note in an.notes:
         console.print(note, highlight=False)
-    console.print(f"service: {an.service.label}; cold start {an.service.cold_start_s:g} s", highlight=False)
+    console.print(
+        f"service: {an.service.label}; cold start {an.service.cold_start_s:g} s", highlight=False
+    )
     console.print(results_table(an))
     console.print("[bold]Working[/bold]")
     for r in sorted(an.results, key=lambda r: r.cost_per_day):
@@ -48,8 +67,11 @@ def render_text(an: Analysis, console: Console) -> None:
         console.print("  none between 10 and 10,000,000 requests/day", highlight=False)
     for be in an.break_evens:
         kind = "" if be.continuous else " (a replica step, not a smooth crossing)"
-        console.print(f"  {be.a} = {be.b} at {be.requests_per_day:,.0f} requests/day, "
-                      f"{_money(be.monthly_cost)}/month{kind}", highlight=False)
+        console.print(
+            f"  {be.a} = {be.b} at {be.requests_per_day:,.0f} requests/day, "
+            f"{_money(be.monthly_cost)}/month{kind}",
+            highlight=False,
+        )
     if an.advice:
         console.print(f"[bold]Advice for {an.advice_for}[/bold]")
         for tip in an.advice:
@@ -59,15 +81,27 @@ def render_text(an: Analysis, console: Console) -> None:
 def to_dict(an: Analysis) -> dict[str, Any]:
     return {
         "workload": an.workload.model_dump(mode="json"),
-        "service": {"label": an.service.label, "cold_start_s": an.service.cold_start_s,
-                    "points": [p.model_dump() for p in an.service.points]},
-        "results": [{
-            "entry": r.entry_id, "platform": r.platform, "mode": r.mode,
-            "billable_seconds_per_day": r.billable_seconds_per_day,
-            "replicas_at_peak": r.replicas_at_peak, "cold_starts_per_day": r.cold_starts_per_day,
-            "cost_per_request": r.cost_per_request, "cost_per_million_output_tokens": r.cost_per_million_output,
-            "cost_per_day": r.cost_per_day, "cost_per_month": r.cost_per_month, "working": list(r.working),
-        } for r in an.results],
+        "service": {
+            "label": an.service.label,
+            "cold_start_s": an.service.cold_start_s,
+            "points": [p.model_dump() for p in an.service.points],
+        },
+        "results": [
+            {
+                "entry": r.entry_id,
+                "platform": r.platform,
+                "mode": r.mode,
+                "billable_seconds_per_day": r.billable_seconds_per_day,
+                "replicas_at_peak": r.replicas_at_peak,
+                "cold_starts_per_day": r.cold_starts_per_day,
+                "cost_per_request": r.cost_per_request,
+                "cost_per_million_output_tokens": r.cost_per_million_output,
+                "cost_per_day": r.cost_per_day,
+                "cost_per_month": r.cost_per_month,
+                "working": list(r.working),
+            }
+            for r in an.results
+        ],
         "break_evens": [be.__dict__ for be in an.break_evens],
         "advice": {"entry": an.advice_for, "items": [t.__dict__ for t in an.advice]},
         "notes": an.notes,

@@ -12,9 +12,16 @@ SEED_USD_PER_REQUEST = 0.0008
 # (it reproduces the seed's 2.1 s at one stream); pass --bench for measured numbers.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "seed": {
-        "requests_per_day": 1000.0, "arrival": "poisson", "prompt_tokens": 100, "output_tokens": 1000,
-        "throughput": "1:500,8:400,32:250", "ttft": 0.1, "cold_start": 30.0, "gpu": "A100-80GB",
-        "concurrency": 8, "price_per_request": SEED_USD_PER_REQUEST,
+        "requests_per_day": 1000.0,
+        "arrival": "poisson",
+        "prompt_tokens": 100,
+        "output_tokens": 1000,
+        "throughput": "1:500,8:400,32:250",
+        "ttft": 0.1,
+        "cold_start": 30.0,
+        "gpu": "A100-80GB",
+        "concurrency": 8,
+        "price_per_request": SEED_USD_PER_REQUEST,
     },
 }
 

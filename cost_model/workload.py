@@ -12,9 +12,9 @@ from cost_model.constants import HOURS_PER_DAY, SECONDS_PER_HOUR
 
 
 class Arrival(str, Enum):
-    STEADY = "steady"    # evenly spaced requests: every gap is exactly 1/rate
+    STEADY = "steady"  # evenly spaced requests: every gap is exactly 1/rate
     POISSON = "poisson"  # independent arrivals: gaps are exponential
-    PEAK = "peak"        # Poisson, but `peak_hours` a day run at `peak_factor` x the mean rate
+    PEAK = "peak"  # Poisson, but `peak_hours` a day run at `peak_factor` x the mean rate
 
 
 @dataclass(frozen=True)

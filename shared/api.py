@@ -51,12 +51,12 @@ def create_app(
         if engine is not None:
             app.state.service = Service(settings, engine)
             yield
-            await app.state.service.registry.shutdown()
+            await app.state.service.aclose()
             return
         async with engine_factory(settings) as opened:
             app.state.service = Service(settings, opened)
             yield
-            await app.state.service.registry.shutdown()
+            await app.state.service.aclose()
 
     app = FastAPI(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import contextlib
 import datetime as dt
+import multiprocessing
 import os
 import platform
 import socket
@@ -44,7 +44,9 @@ TARGETS = ("raw", "bundle", "vllm_server")
 
 
 # --- one target each ------------------------------------------------------------------------------
-async def bench_raw(settings: Settings, workload: Workload, levels: list[int], rounds: int) -> list[dict]:
+async def bench_raw(
+    settings: Settings, workload: Workload, levels: list[int], rounds: int
+) -> list[dict]:
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -57,21 +59,29 @@ async def bench_raw(settings: Settings, workload: Workload, levels: list[int], r
 
 
 async def bench_http(
-    url: str, workload: Workload, levels: list[int], rounds: int, api_key: str | None = None,
+    url: str,
+    workload: Workload,
+    levels: list[int],
+    rounds: int,
+    api_key: str | None = None,
     clients: int = 1,
 ) -> list[dict]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(levels))
     timeout = httpx.Timeout(30.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         if clients <= 1:
-            return await _levels(http_requester(client, workload, api_key), workload, levels, rounds)
+            return await _levels(
+                http_requester(client, workload, api_key), workload, levels, rounds
+            )
         await run_level(http_requester(client, workload, api_key), workload.prompts(4), 4)
     spawn = multiprocessing.get_context("spawn")
     results = []
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
         for level in levels:
             prompts = workload.prompts(level * rounds)
-            results.append(run_level_in_processes(pool, url, workload, prompts, level, clients, api_key))
+            results.append(
+                run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+            )
             print(_line(results[-1]), flush=True)
     return results
 
@@ -106,8 +116,9 @@ def free_port() -> int:
 def running_server(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[int]:
     """Start a server, wait for /health, yield its pid, and always stop it."""
     with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             _wait_healthy(port, process, timeout_s=900)
             yield process.pid
@@ -141,12 +152,28 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
 
     args = engine_args(settings, on_cpu=current_platform.is_cpu())
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port), "--model", args.model,
-        "--served-model-name", settings.model_name, "--dtype", args.dtype,
-        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-        "--max-num-seqs", str(args.max_num_seqs), "--load-format", args.load_format,
-        "--disable-log-stats", "--seed", str(settings.engine_seed),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        args.model,
+        "--served-model-name",
+        settings.model_name,
+        "--dtype",
+        args.dtype,
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--load-format",
+        args.load_format,
+        "--disable-log-stats",
+        "--seed",
+        str(settings.engine_seed),
         "--disable-uvicorn-access-log",
     ]
     if args.enforce_eager:
@@ -167,36 +194,55 @@ def peak_rss_mib(pid: int) -> float:
 # --- the whole suite ---------------------------------------------------------------------------
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
-    workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, model=settings.model_name)
+    workload = Workload(
+        args.prompt_tokens, args.output_tokens, args.vocab, model=settings.model_name
+    )
     levels = [int(x) for x in args.levels.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "BUNDLE_MAX_IN_FLIGHT": str(max(10_000, args.capacity + 100)),
-           "BUNDLE_LOG_LEVEL": "warning"}
+    env = {
+        **os.environ,
+        "BUNDLE_MAX_IN_FLIGHT": str(max(10_000, args.capacity + 100)),
+        "BUNDLE_LOG_LEVEL": "warning",
+    }
     # Targets run in separate invocations (a GPU lease splits them) add up in one report.
     previous = out / "bench.json"
-    results: dict[str, Any] = orjson.loads(previous.read_bytes())["targets"] if args.merge and previous.exists() else {}
+    results: dict[str, Any] = (
+        orjson.loads(previous.read_bytes())["targets"] if args.merge and previous.exists() else {}
+    )
     for target in args.targets.split(","):
         print(f"{target}:", flush=True)
         started = time.perf_counter()
         if target == "raw":
-            results[target] = {"levels": asyncio.run(bench_raw(settings, workload, levels, args.rounds))}
+            results[target] = {
+                "levels": asyncio.run(bench_raw(settings, workload, levels, args.rounds))
+            }
         else:
             port = free_port()
-            command = bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
+            command = (
+                bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
+            )
             with running_server(command, port, out / f"{target}.log", env) as pid:
                 url = f"http://127.0.0.1:{port}"
                 levels_run = bench_http(url, workload, levels, args.rounds, clients=args.clients)
-                results[target] = {"levels": asyncio.run(levels_run), "client_processes": args.clients}
+                results[target] = {
+                    "levels": asyncio.run(levels_run),
+                    "client_processes": args.clients,
+                }
                 if target == "bundle" and args.capacity:
-                    results[target]["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
+                    results[target]["capacity"] = asyncio.run(
+                        capacity(url, workload, args.capacity)
+                    )
                     results[target]["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
         results[target]["seconds"] = time.perf_counter() - started
     report = {
         "schema": "bundle-bench/1",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": args.machine or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-        "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
+        "machine": args.machine
+        or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+        "model": settings.model
+        if not settings.uses_tiny_model
+        else f"tiny:{settings.tiny_model_shape}",
         "workload": vars(workload),
         "targets": results,
     }
@@ -210,16 +256,26 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
 
 async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]:
     """Hold `streams` streaming requests open at once; count failures and tail latency."""
-    long = Workload(workload.prompt_tokens, workload.output_tokens * 2, workload.vocab_size,
-                    seed=7, model=workload.model)
+    long = Workload(
+        workload.prompt_tokens,
+        workload.output_tokens * 2,
+        workload.vocab_size,
+        seed=7,
+        model=workload.model,
+    )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60, read=900)) as c:
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=httpx.Timeout(60, read=900)
+    ) as c:
         one = http_requester(c, long)
         started = time.perf_counter()
         samples = await asyncio.gather(*(one(p) for p in long.prompts(streams)))
         result = summarise(streams, list(samples), time.perf_counter() - started)
-    print(f"capacity: {streams} streams, {result['errors']} failed, ITL p99 "
-          f"{result['itl_s']['p99'] * 1000:.2f} ms", flush=True)
+    print(
+        f"capacity: {streams} streams, {result['errors']} failed, ITL p99 "
+        f"{result['itl_s']['p99'] * 1000:.2f} ms",
+        flush=True,
+    )
     return result
 
 
@@ -228,17 +284,23 @@ def markdown_table(report: dict[str, Any]) -> str:
     by_level = {t: {lv["concurrency"]: lv for lv in targets[t]["levels"]} for t in targets}
     levels = sorted({c for t in by_level.values() for c in t})
     names = [t for t in TARGETS if t in targets]
-    head = "| concurrency | " + " | ".join(
-        f"{t}: tok/s · TTFT p50 ms · ITL p50/p99 ms" for t in names
-    ) + " | bundle/raw | bundle/vLLM server |"
+    head = (
+        "| concurrency | "
+        + " | ".join(f"{t}: tok/s · TTFT p50 ms · ITL p50/p99 ms" for t in names)
+        + " | bundle/raw | bundle/vLLM server |"
+    )
     rows = [head, "|" + "---|" * (len(names) + 3)]
     for level in levels:
         cells = [_cell(by_level[t].get(level)) for t in names]
-        rows.append(f"| {level} | " + " | ".join(cells) + f" | {_ratio(by_level, level, 'raw')} | "
-                    f"{_ratio(by_level, level, 'vllm_server')} |")
-    footer = [f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
-              f"{report['workload']['prompt_tokens']} prompt tokens, "
-              f"{report['workload']['output_tokens']} output tokens (ignore_eos), temperature 0."]
+        rows.append(
+            f"| {level} | " + " | ".join(cells) + f" | {_ratio(by_level, level, 'raw')} | "
+            f"{_ratio(by_level, level, 'vllm_server')} |"
+        )
+    footer = [
+        f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
+        f"{report['workload']['prompt_tokens']} prompt tokens, "
+        f"{report['workload']['output_tokens']} output tokens (ignore_eos), temperature 0."
+    ]
     cap = targets.get("bundle", {}).get("capacity")
     if cap:
         footer.append(
@@ -252,8 +314,10 @@ def markdown_table(report: dict[str, Any]) -> str:
 def _cell(level: dict | None) -> str:
     if level is None:
         return "-"
-    return (f"{level['output_tokens_per_s']:,.0f} · {level['ttft_s']['p50'] * 1000:.1f} · "
-            f"{level['itl_s']['p50'] * 1000:.1f}/{level['itl_s']['p99'] * 1000:.1f}")
+    return (
+        f"{level['output_tokens_per_s']:,.0f} · {level['ttft_s']['p50'] * 1000:.1f} · "
+        f"{level['itl_s']['p50'] * 1000:.1f}/{level['itl_s']['p99'] * 1000:.1f}"
+    )
 
 
 def _ratio(by_level: dict, level: int, other: str) -> str:
@@ -272,8 +336,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, target in report["targets"].items():
         xs = [lv["concurrency"] for lv in target["levels"]]
-        left.plot(xs, [lv["output_tokens_per_s"] for lv in target["levels"]], marker="o", label=name)
-        right.plot(xs, [lv["ttft_s"]["p50"] * 1000 for lv in target["levels"]], marker="o", label=name)
+        left.plot(
+            xs, [lv["output_tokens_per_s"] for lv in target["levels"]], marker="o", label=name
+        )
+        right.plot(
+            xs, [lv["ttft_s"]["p50"] * 1000 for lv in target["levels"]], marker="o", label=name
+        )
     for axis, label in ((left, "output tokens/s"), (right, "TTFT p50 (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent streams")
@@ -286,8 +354,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shared.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m shared.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("suite", "http"):
         p = sub.add_parser(name)
@@ -296,14 +367,20 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--prompt-tokens", type=int, default=128)
         p.add_argument("--output-tokens", type=int, default=64)
         p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
-        p.add_argument("--clients", type=int, default=1 if (os.cpu_count() or 1) <= 4 else 4,
-                       help="client processes for HTTP targets (default: 4 on machines with >4 CPUs)")
+        p.add_argument(
+            "--clients",
+            type=int,
+            default=1 if (os.cpu_count() or 1) <= 4 else 4,
+            help="client processes for HTTP targets (default: 4 on machines with >4 CPUs)",
+        )
     suite = sub.choices["suite"]
     suite.add_argument("--out", default="bench/results")
     suite.add_argument("--targets", default=",".join(TARGETS))
     suite.add_argument("--capacity", type=int, default=1000, help="streams held open; 0: skip")
     suite.add_argument("--machine", default="", help="how to name the machine in the report")
-    suite.add_argument("--merge", action="store_true", help="add to the targets in --out/bench.json")
+    suite.add_argument(
+        "--merge", action="store_true", help="add to the targets in --out/bench.json"
+    )
     http = sub.choices["http"]
     http.add_argument("--url", required=True)
     http.add_argument("--model", default="tiny")

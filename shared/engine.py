@@ -97,7 +97,9 @@ class VLLMEngine:
             ids = ids["input_ids"]
         return list(ids)
 
-    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+    async def generate(
+        self, request_id: str, request: SamplingRequest
+    ) -> AsyncIterator[EngineDelta]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
@@ -157,7 +159,9 @@ def _sampling_params(request: SamplingRequest) -> Any:
 
 def resolve_model_path(settings: Settings) -> str:
     if settings.uses_tiny_model:
-        return str(ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed))
+        return str(
+            ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed)
+        )
     return settings.model
 
 
@@ -195,7 +199,11 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
 def _dtype(settings: Settings) -> str:
     # vLLM's "auto" turns a float32 checkpoint into bf16; the tiny model stays float32, the
     # one dtype that also survives under Cog's worker on this CPU (see cog/predict.py).
-    if settings.dtype == "auto" and settings.uses_tiny_model and settings.tiny_model_shape == "tiny":
+    if (
+        settings.dtype == "auto"
+        and settings.uses_tiny_model
+        and settings.tiny_model_shape == "tiny"
+    ):
         return "float32"
     return settings.dtype
 

@@ -90,15 +90,23 @@ async def run_level(
     concurrency: int,
 ) -> dict[str, Any]:
     """Start all requests of a level with at most `concurrency` in flight."""
+    started = time.perf_counter()
+    samples = await _gather_limited(one_request, prompts, concurrency)
+    return summarise(concurrency, samples, time.perf_counter() - started)
+
+
+async def _gather_limited(
+    one_request: Callable[[list[int]], Awaitable[Sample]],
+    prompts: list[list[int]],
+    concurrency: int,
+) -> list[Sample]:
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(prompt: list[int]) -> Sample:
         async with gate:
             return await one_request(prompt)
 
-    started = time.perf_counter()
-    samples = await asyncio.gather(*(limited(p) for p in prompts))
-    return summarise(concurrency, list(samples), time.perf_counter() - started)
+    return list(await asyncio.gather(*(limited(p) for p in prompts)))
 
 
 # --- over HTTP ----------------------------------------------------------------------------------
@@ -198,14 +206,26 @@ def engine_requester(llm: Any, workload: Workload) -> Callable[[list[int]], Awai
 # One Python client parsing ~10k events/s is itself near saturation; at high concurrency the
 # load is split over processes so that the numbers describe the server, not the client.
 def run_level_in_processes(
-    pool: Any, url: str, workload: Workload, prompts: list[list[int]], concurrency: int,
-    clients: int, api_key: str | None = None,
+    pool: Any,
+    url: str,
+    workload: Workload,
+    prompts: list[list[int]],
+    concurrency: int,
+    clients: int,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     clients = max(1, min(clients, concurrency))
     start_at = time.time() + 3.0  # every process starts its share at the same instant
     futures = [
-        pool.submit(_client_process, url, workload, prompts[i::clients],
-                    -(-concurrency // clients), start_at, api_key)
+        pool.submit(
+            _client_process,
+            url,
+            workload,
+            prompts[i::clients],
+            -(-concurrency // clients),
+            start_at,
+            api_key,
+        )
         for i in range(clients)
     ]
     parts = [future.result() for future in futures]
@@ -215,14 +235,22 @@ def run_level_in_processes(
 
 
 def _client_process(
-    url: str, workload: Workload, prompts: list[list[int]], concurrency: int, start_at: float,
+    url: str,
+    workload: Workload,
+    prompts: list[list[int]],
+    concurrency: int,
+    start_at: float,
     api_key: str | None,
 ) -> tuple[list[dict[str, Any]], float]:
     return asyncio.run(_client_share(url, workload, prompts, concurrency, start_at, api_key))
 
 
 async def _client_share(
-    url: str, workload: Workload, prompts: list[list[int]], concurrency: int, start_at: float,
+    url: str,
+    workload: Workload,
+    prompts: list[list[int]],
+    concurrency: int,
+    start_at: float,
     api_key: str | None,
 ) -> tuple[list[dict[str, Any]], float]:
     from dataclasses import asdict
@@ -234,14 +262,10 @@ async def _client_share(
         # Open the connections before the clock starts, as the single-process path's warm-up
         # does: TCP set-up is not the server's time to first token.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        await asyncio.gather(*(client.get("/v1/models", headers=headers) for _ in range(concurrency)))
+        await asyncio.gather(
+            *(client.get("/v1/models", headers=headers) for _ in range(concurrency))
+        )
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        gate = asyncio.Semaphore(concurrency)
-
-        async def limited(prompt: list[int]) -> Sample:
-            async with gate:
-                return await one(prompt)
-
-        samples = await asyncio.gather(*(limited(p) for p in prompts))
+        samples = await _gather_limited(one, prompts, concurrency)
         end = time.time()
     return [asdict(s) for s in samples], end

@@ -16,12 +16,16 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
-            "bundle_time_to_first_token_seconds", "Admission to first token.",
-            buckets=_TTFT_BUCKETS, registry=r,
+            "bundle_time_to_first_token_seconds",
+            "Admission to first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
-            "bundle_inter_token_latency_seconds", "Time between tokens of one generation.",
-            buckets=_ITL_BUCKETS, registry=r,
+            "bundle_inter_token_latency_seconds",
+            "Time between tokens of one generation.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         self.active_streams = Gauge(
             "bundle_active_streams", "Client connections currently reading a stream.", registry=r
@@ -50,11 +54,15 @@ class Metrics:
             registry=r,
         )
         self.aborted_requests = Counter(
-            "bundle_aborted_requests", "Generations aborted before they finished.",
-            ["reason"], registry=r,
+            "bundle_aborted_requests",
+            "Generations aborted before they finished.",
+            ["reason"],
+            registry=r,
         )
         self.rejected_requests = Counter(
-            "bundle_rejected_requests", "Requests refused before the engine.", ["status"],
+            "bundle_rejected_requests",
+            "Requests refused before the engine.",
+            ["status"],
             registry=r,
         )
 

@@ -108,6 +108,8 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
     error = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in error["loc"]) or None
     if error["type"] == "extra_forbidden":
-        return InvalidRequest(f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
+        return InvalidRequest(
+            f"unsupported parameter: {param}", param=param, code="unsupported_parameter"
+        )
     message = f"{param}: {error['msg']}" if param else error["msg"]
     return InvalidRequest(message, param=param, code="invalid_value")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 
@@ -17,6 +18,7 @@ from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.registry import Registry
 from shared.settings import Settings
+from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -29,6 +31,18 @@ class Service:
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(engine.running_requests)
         self.registry = Registry(settings, self.metrics)
+        self._stats_task: asyncio.Task[None] | None = None
+        if settings.engine_stats_file is not None:
+            publisher = publish_engine_stats(
+                engine, settings.engine_stats_file, settings.engine_stats_interval_s
+            )
+            self._stats_task = asyncio.get_running_loop().create_task(publisher)
+
+    async def aclose(self) -> None:
+        """Abort what is still running and stop background work."""
+        await self.registry.shutdown()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
 
     def admit(
         self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool = False
@@ -67,8 +81,12 @@ class Service:
 
         async def producer(g: Generation) -> None:
             await produce(
-                g, self.engine, sampling, self.metrics,
-                self.settings.request_timeout_s, engine_request_id=completion_id,
+                g,
+                self.engine,
+                sampling,
+                self.metrics,
+                self.settings.request_timeout_s,
+                engine_request_id=completion_id,
             )
 
         self.registry.start(generation, producer)

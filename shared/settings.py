@@ -90,6 +90,11 @@ class Settings(BaseSettings):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
 
+    engine_stats_file: Path | None = Field(
+        None, description="If set, the engine's running-request count is written here (JSON)."
+    )
+    engine_stats_interval_s: float = Field(0.05, gt=0)
+
     # --- streaming -------------------------------------------------------------------------
     stream_coalesce_ms: float = Field(
         0.0,
@@ -107,7 +112,7 @@ class Settings(BaseSettings):
     modal_min_containers: int = Field(0, ge=0)
     modal_max_containers: int | None = Field(None, ge=1)
     modal_max_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs.")
-    modal_target_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs / 2.")
+    modal_target_inputs: int | None = Field(None, ge=1, description="Unset: half of max inputs.")
     modal_secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")
     modal_requires_proxy_auth: bool = False
     modal_proxy_key: str | None = Field(

@@ -44,7 +44,9 @@ def test_sdk_streams_chat(sdk: openai.OpenAI) -> None:
 
 
 def test_sdk_chat_without_streaming_matches_greedy_stream(sdk: openai.OpenAI) -> None:
-    whole = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0)
+    whole = sdk.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0
+    )
     stream = sdk.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0, stream=True
     )
@@ -55,7 +57,9 @@ def test_sdk_chat_without_streaming_matches_greedy_stream(sdk: openai.OpenAI) ->
 
 
 def test_sdk_completions_stream_and_not(sdk: openai.OpenAI) -> None:
-    whole = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1)
+    whole = sdk.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1
+    )
     pieces = sdk.completions.create(
         model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1, stream=True
     )
@@ -76,8 +80,12 @@ def test_seed_makes_sampling_repeatable(sdk: openai.OpenAI) -> None:
 def test_include_usage_puts_usage_on_the_last_chunk(sdk: openai.OpenAI) -> None:
     chunks = list(
         sdk.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=8, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
     )
     assert chunks[-1].usage is not None
@@ -92,7 +100,9 @@ def test_stop_sequence_is_honoured(sdk: openai.OpenAI) -> None:
     stop = text[5:8]
     if not stop.strip():
         pytest.skip("greedy text has no usable stop string")
-    stopped = sdk.completions.create(model="tiny", prompt="a", max_tokens=30, temperature=0.0, stop=[stop])
+    stopped = sdk.completions.create(
+        model="tiny", prompt="a", max_tokens=30, temperature=0.0, stop=[stop]
+    )
     assert stop not in stopped.choices[0].text
     assert stopped.choices[0].finish_reason == "stop"
 
@@ -110,9 +120,7 @@ def test_models_and_health(http: httpx.Client) -> None:
     assert [m["id"] for m in models["data"]] == ["tiny"]
 
 
-def test_disconnect_aborts_engine_request_within_a_second(
-    base_url: str, service: Service
-) -> None:
+def test_disconnect_aborts_engine_request_within_a_second(base_url: str, service: Service) -> None:
     with httpx.Client(base_url=base_url, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json=long_chat()) as response:
             lines = response.iter_lines()
@@ -204,7 +212,9 @@ def test_api_key_is_required_everywhere_but_health(live: LiveServers) -> None:
                 response = client.request(method, path, json=body, headers=headers)
                 assert response.status_code == 401, (path, headers)
                 assert response.json()["error"]["type"] == "authentication_error"
-            good = client.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+            good = client.request(
+                method, path, json=body, headers={"Authorization": "Bearer s3cret"}
+            )
             assert good.status_code != 401
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
     assert sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3).choices
@@ -215,9 +225,10 @@ def test_api_key_is_required_everywhere_but_health(live: LiveServers) -> None:
 def test_requests_beyond_the_in_flight_cap_get_429(live: LiveServers) -> None:
     url, service = live.serve(max_in_flight=2, retry_after_s=3)
     with httpx.Client(base_url=url, timeout=30) as client:
-        with client.stream("POST", "/v1/chat/completions", json=long_chat()) as first, client.stream(
-            "POST", "/v1/chat/completions", json=long_chat()
-        ) as second:
+        with (
+            client.stream("POST", "/v1/chat/completions", json=long_chat()) as first,
+            client.stream("POST", "/v1/chat/completions", json=long_chat()) as second,
+        ):
             next(first.iter_lines()), next(second.iter_lines())
             refused = client.post("/v1/chat/completions", json=long_chat(max_tokens=2))
             assert refused.status_code == 429
@@ -238,10 +249,17 @@ def test_a_burst_of_concurrent_streams_all_complete(base_url: str, service: Serv
     import asyncio
 
     async def one(client: httpx.AsyncClient) -> int:
-        response = await client.post("/v1/completions", json={
-            "model": "tiny", "prompt": "x", "max_tokens": 32, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-        })
+        response = await client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "x",
+                "max_tokens": 32,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         usage_event = sse_events(response.content)[-2][1]
         return int(orjson.loads(usage_event)["usage"]["completion_tokens"])
 

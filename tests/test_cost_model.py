@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from cost_model import billing
+from cost_model.benchfile import load_bench
 from cost_model.billing import Overrides
 from cost_model.breakeven import crossings
 from cost_model.catalogue import BillingRules, PerSecondEntry, load_override, load_packaged
 from cost_model.cli import main
 from cost_model.constants import DAYS_PER_MONTH
-from cost_model.benchfile import load_bench
 from cost_model.errors import CostModelError
 from cost_model.estimate import evaluate, monthly_cost
 from cost_model.service import from_flags
@@ -25,19 +25,35 @@ DAY = 86400.0
 
 # One stream at 500 tok/s after 0.1 s to first token: a 1,000-token answer takes exactly 2.1 s.
 SERVICE = from_flags(500.0, None, ttft_s=0.1, cold_start_s=30.0)
-ENTRY = PerSecondEntry(id="t", platform="p", kind="per_second", gpu="X", usd_per_second=0.001,
-                       source="test", read_on="2026-11-29")
-SCALE_TO_ZERO = BillingRules(bills_setup=True, bills_idle=True, scaledown_window_s=60,
-                             min_containers=0, concurrency_per_replica=8)
+ENTRY = PerSecondEntry(
+    id="t",
+    platform="p",
+    kind="per_second",
+    gpu="X",
+    usd_per_second=0.001,
+    source="test",
+    read_on="2026-11-29",
+)
+SCALE_TO_ZERO = BillingRules(
+    bills_setup=True,
+    bills_idle=True,
+    scaledown_window_s=60,
+    min_containers=0,
+    concurrency_per_replica=8,
+)
 
 
 def workload(per_day: float, arrival: Arrival = Arrival.POISSON) -> Workload:
-    return Workload(requests_per_day=per_day, arrival=arrival, prompt_tokens=100, output_tokens=1000)
+    return Workload(
+        requests_per_day=per_day, arrival=arrival, prompt_tokens=100, output_tokens=1000
+    )
 
 
 def test_per_token_by_hand() -> None:
     cat = load_packaged()
-    res = evaluate(cat, cat.entry("replicate-meta-llama-3-8b-instruct"), workload(1000), SERVICE, Overrides())
+    res = evaluate(
+        cat, cat.entry("replicate-meta-llama-3-8b-instruct"), workload(1000), SERVICE, Overrides()
+    )
     # 100 x $0.05/M + 1000 x $0.25/M = $0.000005 + $0.00025
     assert res.cost_per_request == pytest.approx(0.000255)
     assert res.cost_per_million_output == pytest.approx(0.255)
@@ -46,7 +62,9 @@ def test_per_token_by_hand() -> None:
 
 def test_reserved_by_hand() -> None:
     cat = load_packaged()
-    res = evaluate(cat, cat.entry("runpod-a100-sxm-secure-cloud"), workload(1000), SERVICE, Overrides())
+    res = evaluate(
+        cat, cat.entry("runpod-a100-sxm-secure-cloud"), workload(1000), SERVICE, Overrides()
+    )
     # One machine is enough; it is paid 24 h a day: 1.59 x 24 = 38.16 per day.
     assert res.replicas_at_peak == 1
     assert res.cost_per_day == pytest.approx(38.16)
@@ -57,7 +75,13 @@ def test_reserved_by_hand() -> None:
 def test_reserved_buys_peak_replicas() -> None:
     cat = load_packaged()
     # 400k/day at 2.1 s = 9.7 requests in flight; 8 per machine -> 2 machines.
-    res = evaluate(cat, cat.entry("runpod-a100-sxm-secure-cloud"), workload(400_000), SERVICE, Overrides(concurrency=8))
+    res = evaluate(
+        cat,
+        cat.entry("runpod-a100-sxm-secure-cloud"),
+        workload(400_000),
+        SERVICE,
+        Overrides(concurrency=8),
+    )
     assert res.replicas_at_peak == 2
     assert res.cost_per_day == pytest.approx(2 * 38.16)
 
@@ -78,7 +102,9 @@ def test_poisson_scale_to_zero_cold_starts_and_idle_by_hand() -> None:
 def test_steady_gaps_longer_than_window_by_hand() -> None:
     # 100/day evenly: 864 s between requests > 60 s window, so every request cold-starts and
     # pays 30 s start-up + 2.1 s work + 60 s idle = 92.1 s.
-    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(100, Arrival.STEADY), SERVICE, Overrides())
+    res = billing.per_second(
+        ENTRY, SCALE_TO_ZERO, workload(100, Arrival.STEADY), SERVICE, Overrides()
+    )
     assert res.billable_seconds_per_day == pytest.approx(9210.0)
     assert res.cold_starts_per_day == pytest.approx(100.0)
     assert res.cost_per_request == pytest.approx(0.0921)
@@ -86,19 +112,25 @@ def test_steady_gaps_longer_than_window_by_hand() -> None:
 
 def test_steady_gaps_inside_window_stay_warm() -> None:
     # 2000/day evenly: gaps of 43.2 - 2.1 = 41.1 s < 60 s, so the container never scales down.
-    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(2000, Arrival.STEADY), SERVICE, Overrides())
+    res = billing.per_second(
+        ENTRY, SCALE_TO_ZERO, workload(2000, Arrival.STEADY), SERVICE, Overrides()
+    )
     assert res.billable_seconds_per_day == pytest.approx(DAY)
     assert res.cold_starts_per_day == 0.0
 
 
 def test_min_container_bills_all_day() -> None:
-    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(1000), SERVICE, Overrides(min_containers=1))
+    res = billing.per_second(
+        ENTRY, SCALE_TO_ZERO, workload(1000), SERVICE, Overrides(min_containers=1)
+    )
     assert res.billable_seconds_per_day == pytest.approx(DAY, rel=1e-9)
     assert res.cold_starts_per_day == pytest.approx(0.0, abs=1e-9)
 
 
 def test_active_only_billing_is_request_time() -> None:
-    public = SCALE_TO_ZERO.model_copy(update={"bills_setup": False, "bills_idle": False, "concurrency_per_replica": 1})
+    public = SCALE_TO_ZERO.model_copy(
+        update={"bills_setup": False, "bills_idle": False, "concurrency_per_replica": 1}
+    )
     res = billing.per_second(ENTRY, public, workload(1000), SERVICE, Overrides())
     # 1000 requests x 2.1 s each, nothing else.
     assert res.billable_seconds_per_day == pytest.approx(2100.0, rel=1e-6)
@@ -123,9 +155,18 @@ def test_peak_segments_conserve_volume() -> None:
 def test_break_even_per_token_vs_reserved_by_hand() -> None:
     cat = load_packaged()
     w, ov = workload(1000), Overrides(concurrency=8)
-    tok, res = cat.entry("replicate-meta-llama-3-8b-instruct"), cat.entry("runpod-a100-sxm-secure-cloud")
-    found = crossings("tok", lambda r: monthly_cost(cat, tok, w, SERVICE, ov, r),
-                      "res", lambda r: monthly_cost(cat, res, w, SERVICE, ov, r), 10, 1e7)
+    tok, res = (
+        cat.entry("replicate-meta-llama-3-8b-instruct"),
+        cat.entry("runpod-a100-sxm-secure-cloud"),
+    )
+    found = crossings(
+        "tok",
+        lambda r: monthly_cost(cat, tok, w, SERVICE, ov, r),
+        "res",
+        lambda r: monthly_cost(cat, res, w, SERVICE, ov, r),
+        10,
+        1e7,
+    )
     smooth = [b for b in found if b.continuous]
     # $38.16/day / $0.000255 per request = 149,647 requests/day.
     assert smooth[0].requests_per_day == pytest.approx(38.16 / 0.000255, rel=1e-6)
@@ -161,11 +202,31 @@ def test_catalogue_entries_have_sources_and_dates() -> None:
 
 def test_catalogue_override_replaces_and_adds(tmp_path: Path) -> None:
     f = tmp_path / "c.json"
-    f.write_text(json.dumps({"entries": [
-        {"id": "modal-h100", "platform": "modal", "kind": "per_second", "gpu": "H100",
-         "usd_per_second": 0.002, "source": "me", "read_on": "2026-11-30"},
-        {"id": "my-api", "platform": "together", "kind": "per_request", "usd_per_request": 0.001,
-         "source": "me", "read_on": "2026-11-30"}]}))
+    f.write_text(
+        json.dumps(
+            {
+                "entries": [
+                    {
+                        "id": "modal-h100",
+                        "platform": "modal",
+                        "kind": "per_second",
+                        "gpu": "H100",
+                        "usd_per_second": 0.002,
+                        "source": "me",
+                        "read_on": "2026-11-30",
+                    },
+                    {
+                        "id": "my-api",
+                        "platform": "together",
+                        "kind": "per_request",
+                        "usd_per_request": 0.001,
+                        "source": "me",
+                        "read_on": "2026-11-30",
+                    },
+                ]
+            }
+        )
+    )
     cat = load_override(f, load_packaged())
     assert cat.entry("modal-h100").usd_per_second == 0.002
     assert cat.entry("my-api").kind == "per_request"
@@ -177,13 +238,18 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--requests-per-day", "-5", "--tokens-per-s", "50"], "rate must be > 0"),
-    (["--requests-per-day", "100", "--tokens-per-s", "50", "--gpu", "Z80"], "unknown GPU"),
-    (["--requests-per-day", "100"], "service speed"),
-    (["--requests-per-day", "100", "--tokens-per-s", "50", "--billed", "idle"], "--billed"),
-])
-def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--requests-per-day", "-5", "--tokens-per-s", "50"], "rate must be > 0"),
+        (["--requests-per-day", "100", "--tokens-per-s", "50", "--gpu", "Z80"], "unknown GPU"),
+        (["--requests-per-day", "100"], "service speed"),
+        (["--requests-per-day", "100", "--tokens-per-s", "50", "--billed", "idle"], "--billed"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     code, _, err = _run(capsys, "estimate", *argv)
     assert code == 2
     assert needle in err
