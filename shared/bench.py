@@ -78,7 +78,7 @@ async def bench_http(
     results = []
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
         for level in levels:
-            prompts = workload.prompts(level * rounds)
+            prompts = workload.prompts(requests_per_level(level, rounds))
             results.append(
                 run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
             )
@@ -90,10 +90,17 @@ async def _levels(one: Any, workload: Workload, levels: list[int], rounds: int) 
     await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches, connections
     results = []
     for level in levels:
-        prompts = workload.prompts(level * rounds)
+        prompts = workload.prompts(requests_per_level(level, rounds))
         results.append(await run_level(one, prompts, level))
         print(_line(results[-1]), flush=True)
     return results
+
+
+MIN_REQUESTS_PER_LEVEL = 16  # low levels would otherwise time a handful of requests: noise
+
+
+def requests_per_level(level: int, rounds: int) -> int:
+    return max(level * rounds, MIN_REQUESTS_PER_LEVEL)
 
 
 def _line(level: dict) -> str:
@@ -363,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("suite", "http"):
         p = sub.add_parser(name)
         p.add_argument("--levels", default="1,8,32,128", help="concurrency levels")
-        p.add_argument("--rounds", type=int, default=2, help="requests per level = level x rounds")
+        p.add_argument("--rounds", type=int, default=2, help="requests per level = level x rounds, at least 16")
         p.add_argument("--prompt-tokens", type=int, default=128)
         p.add_argument("--output-tokens", type=int, default=64)
         p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
