@@ -77,12 +77,8 @@ class Runner(BaseRunner):
             default=1.0, ge=bridge.TOP_P_MIN, le=1.0, description="Nucleus sampling mass, above 0."
         ),
         top_k: int = Input(default=0, ge=0, le=bridge.TOP_K_MAX, description="0 disables."),
-        presence_penalty: float = Input(
-            default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]
-        ),
-        frequency_penalty: float = Input(
-            default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]
-        ),
+        presence_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
+        frequency_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
         stop_sequences: str = Input(
             default="", description="Comma-separated strings that end the generation (up to 4)."
         ),

@@ -21,18 +21,14 @@ class Advice:
     reason: str
 
 
-def _cost(
-    entry: PerSecondEntry, rules: BillingRules, w: Workload, s: ServiceProfile, ov: Overrides
-):
+def _cost(entry: PerSecondEntry, rules: BillingRules, w: Workload, s: ServiceProfile, ov: Overrides):
     return per_second(entry, rules, w, s, ov)
 
 
 def advise_concurrency(
     entry: PerSecondEntry, rules: BillingRules, w: Workload, s: ServiceProfile, ov: Overrides
 ) -> Advice:
-    results = {
-        c: _cost(entry, rules, w, s, replace(ov, concurrency=c)) for c in CONCURRENCY_CHOICES
-    }
+    results = {c: _cost(entry, rules, w, s, replace(ov, concurrency=c)) for c in CONCURRENCY_CHOICES}
     best = min(r.cost_per_request for r in results.values())
     # The smallest limit that is about as cheap keeps per-stream speed highest.
     pick = next(c for c in CONCURRENCY_CHOICES if results[c].cost_per_request <= best * NEAR_BEST)
@@ -55,11 +51,7 @@ def advise_window(
     max_cold_fraction: float,
 ) -> Advice:
     results = {win: _cost(entry, rules, w, s, replace(ov, window_s=win)) for win in WINDOW_CHOICES}
-    ok = [
-        win
-        for win in WINDOW_CHOICES
-        if (results[win].cold_start_fraction or 0) <= max_cold_fraction
-    ]
+    ok = [win for win in WINDOW_CHOICES if (results[win].cold_start_fraction or 0) <= max_cold_fraction]
     if ok:
         pick = min(ok, key=lambda win: results[win].cost_per_day)
         why = (
@@ -72,9 +64,7 @@ def advise_window(
             f"no window keeps cold starts under {max_cold_fraction:.0%} at this rate; the longest one "
             f"still has {results[pick].cold_start_fraction:.0%} - consider a minimum container"
         )
-    return Advice(
-        "scale-down window", f"{pick:g} s", f"{why}; ${results[pick].cost_per_month:,.2f}/month"
-    )
+    return Advice("scale-down window", f"{pick:g} s", f"{why}; ${results[pick].cost_per_month:,.2f}/month")
 
 
 def advise_min_containers(

@@ -31,7 +31,7 @@ class Analysis:
 def representatives(entries: list[Entry], results: list[ModeResult]) -> dict[str, Entry]:
     """The cheapest entry of each billing mode at the workload's rate."""
     best: dict[str, tuple[float, Entry]] = {}
-    for entry, res in zip(entries, results):
+    for entry, res in zip(entries, results, strict=True):
         if res.mode not in best or res.cost_per_day < best[res.mode][0]:
             best[res.mode] = (res.cost_per_day, entry)
     return {mode: e for mode, (_, e) in best.items()}
@@ -66,11 +66,7 @@ def analyse(
     results = evaluate_all(cat, entries, w, s, ov)
     reps = representatives(entries, results)
     serverless = reps.get("per-second")
-    tips = (
-        advise(serverless, cat.rules_for(serverless), w, s, ov, max_cold_fraction)
-        if serverless
-        else []
-    )
+    tips = advise(serverless, cat.rules_for(serverless), w, s, ov, max_cold_fraction) if serverless else []
     return Analysis(
         w,
         s,

@@ -32,9 +32,7 @@ def sweep() -> tuple[int, float]:
 
 def main() -> None:
     count, seconds = sweep()
-    print(
-        f"{count} evaluations ({RATES} rates x {count // RATES} catalogue entries) in {seconds:.3f} s"
-    )
+    print(f"{count} evaluations ({RATES} rates x {count // RATES} catalogue entries) in {seconds:.3f} s")
 
 
 if __name__ == "__main__":

@@ -78,9 +78,7 @@ def resolve_rules(rules: BillingRules, service: ServiceProfile, ov: Overrides) -
     )
 
 
-def _pool(
-    workload: Workload, service: ServiceProfile, rules: Rules
-) -> list[tuple[float, PoolStats]]:
+def _pool(workload: Workload, service: ServiceProfile, rules: Rules) -> list[tuple[float, PoolStats]]:
     """(segment seconds, pool statistics) for every segment of the day."""
     cap = effective_concurrency(service, rules.concurrency)
     out = []
@@ -105,8 +103,7 @@ def per_second(
     """Serverless GPU billed per second of replica uptime (what is billed follows the rules)."""
     rules = resolve_rules(platform, service, ov)
     extras = (
-        ov.cpu_cores * platform.cpu_usd_per_core_second
-        + ov.memory_gib * platform.memory_usd_per_gib_second
+        ov.cpu_cores * platform.cpu_usd_per_core_second + ov.memory_gib * platform.memory_usd_per_gib_second
     )
     price = entry.usd_per_second + extras
     pool = _pool(workload, service, rules)
@@ -115,9 +112,7 @@ def per_second(
     peak = max(max(s.replicas for _, s in pool), rules.min_containers)
     first = pool[0][1]
     billed_what = "+".join(
-        n
-        for n, on in (("setup", rules.bills_setup), ("idle", rules.bills_idle), ("active", True))
-        if on
+        n for n, on in (("setup", rules.bills_setup), ("idle", rules.bills_idle), ("active", True)) if on
     )
     working = (
         f"request time S = {first.request_s:.2f} s with {first.sharing:.2f} streams sharing a replica "

@@ -55,7 +55,8 @@ def crossings(
     grid = log_grid(lo, hi, GRID_POINTS)
     values = [diff(r) for r in grid]
     found = []
-    for (r0, d0), (r1, d1) in zip(zip(grid, values), zip(grid[1:], values[1:])):
+    points = list(zip(grid, values, strict=True))
+    for (r0, d0), (r1, d1) in zip(points, points[1:], strict=False):
         if d0 == 0 or (d0 > 0) == (d1 > 0):
             continue
         rate = _bisect(diff, r0, r1)

@@ -67,9 +67,7 @@ class PerRequestEntry(_EntryBase):
     usd_per_request: Positive
 
 
-Entry = Annotated[
-    PerSecondEntry | ReservedEntry | PerTokenEntry | PerRequestEntry, Field(discriminator="kind")
-]
+Entry = Annotated[PerSecondEntry | ReservedEntry | PerTokenEntry | PerRequestEntry, Field(discriminator="kind")]
 GPU_KINDS = ("per_second", "reserved_hourly")
 
 
@@ -85,9 +83,7 @@ class Catalogue(BaseModel):
         for item in self.entries:
             if item.id == entry_id:
                 return item
-        raise CostModelError(
-            f"unknown catalogue entry '{entry_id}' (see: python -m cost_model catalogue)"
-        )
+        raise CostModelError(f"unknown catalogue entry '{entry_id}' (see: python -m cost_model catalogue)")
 
     def rules_for(self, entry: Entry) -> BillingRules:
         try:
@@ -124,9 +120,7 @@ def _read_json(path: Path) -> object:
     except (OSError, UnicodeDecodeError) as exc:
         raise CostModelError(f"cannot read catalogue file {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise CostModelError(
-            f"malformed catalogue {path}: invalid JSON at line {exc.lineno}"
-        ) from None
+        raise CostModelError(f"malformed catalogue {path}: invalid JSON at line {exc.lineno}") from None
 
 
 def load_packaged() -> Catalogue:

@@ -54,9 +54,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         choices=["steady", "poisson", "peak"],
         help="steady: even spacing; poisson: random (default); peak: Poisson with a daily peak",
     )
-    g.add_argument(
-        "--peak-factor", type=float, help="peak rate / mean rate (with --arrival peak; default 3)"
-    )
+    g.add_argument("--peak-factor", type=float, help="peak rate / mean rate (with --arrival peak; default 3)")
     g.add_argument("--peak-hours", type=float, help="hours per day at the peak rate (default 4)")
     g.add_argument("--prompt-tokens", type=int, help="input tokens per request (default 200)")
     g.add_argument("--output-tokens", type=int, help="output tokens per request (default 500)")
@@ -64,49 +62,29 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("service (measured speed of one replica)")
-    g.add_argument(
-        "--bench", type=Path, help="benchmark JSON (schema bundle-bench/1); uses targets.bundle"
-    )
+    g.add_argument("--bench", type=Path, help="benchmark JSON (schema bundle-bench/1); uses targets.bundle")
     g.add_argument("--tokens-per-s", type=float, help="per-stream decode rate at one stream")
     g.add_argument("--throughput", help="per-stream rate by concurrency, e.g. 1:500,8:400,32:250")
     g.add_argument("--ttft", type=float, help="time to first token, seconds (default 0.2)")
-    g.add_argument(
-        "--cold-start", type=float, help="seconds from cold container to ready (default 30)"
-    )
+    g.add_argument("--cold-start", type=float, help="seconds from cold container to ready (default 30)")
 
 
 def _platform_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("platform and prices")
     g.add_argument("--gpu", help="GPU class the service speed was measured on (default A100-80GB)")
-    g.add_argument(
-        "--entries", help="comma-separated catalogue ids to compare (overrides --gpu selection)"
-    )
+    g.add_argument("--entries", help="comma-separated catalogue ids to compare (overrides --gpu selection)")
     g.add_argument(
         "--catalogue",
         type=Path,
         help="JSON file whose platforms/entries replace or extend the catalogue",
     )
-    g.add_argument(
-        "--price-per-second", type=float, help="add entry custom-per-second at this USD/s"
-    )
-    g.add_argument(
-        "--platform", default="modal", help="billing rules for custom-per-second (default modal)"
-    )
-    g.add_argument(
-        "--price-per-hour", type=float, help="add entry custom-reserved at this USD/hour"
-    )
-    g.add_argument(
-        "--price-per-request", type=float, help="add entry custom-per-request at this USD"
-    )
-    g.add_argument(
-        "--price-per-million-tokens", help="add entry custom-per-token: IN,OUT USD per million"
-    )
-    g.add_argument(
-        "--concurrency", type=int, help="max concurrent streams per replica (platform default 1)"
-    )
-    g.add_argument(
-        "--scaledown-window", type=float, help="seconds an idle replica stays up (platform default)"
-    )
+    g.add_argument("--price-per-second", type=float, help="add entry custom-per-second at this USD/s")
+    g.add_argument("--platform", default="modal", help="billing rules for custom-per-second (default modal)")
+    g.add_argument("--price-per-hour", type=float, help="add entry custom-reserved at this USD/hour")
+    g.add_argument("--price-per-request", type=float, help="add entry custom-per-request at this USD")
+    g.add_argument("--price-per-million-tokens", help="add entry custom-per-token: IN,OUT USD per million")
+    g.add_argument("--concurrency", type=int, help="max concurrent streams per replica (platform default 1)")
+    g.add_argument("--scaledown-window", type=float, help="seconds an idle replica stays up (platform default)")
     g.add_argument("--min-containers", type=int, help="replicas kept up all day (default 0)")
     g.add_argument(
         "--billed",
@@ -118,9 +96,7 @@ def _platform_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="CPU cores reserved per replica (Modal; default 1)",
     )
-    g.add_argument(
-        "--memory-gib", type=float, default=16.0, help="memory GiB per replica (Modal; default 16)"
-    )
+    g.add_argument("--memory-gib", type=float, default=16.0, help="memory GiB per replica (Modal; default 16)")
     g.add_argument(
         "--max-cold-fraction",
         type=float,
@@ -144,17 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    est.add_argument(
-        "--scenario", choices=sorted(SCENARIOS), help="fill unset flags from a named example"
-    )
+    est.add_argument("--scenario", choices=sorted(SCENARIOS), help="fill unset flags from a named example")
     _workload_args(est)
     _service_args(est)
     _platform_args(est)
     out = est.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    out.add_argument(
-        "--plot", type=Path, metavar="FILE.png", help="also draw $/month against request rate"
-    )
+    out.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw $/month against request rate")
     cat = sub.add_parser("catalogue", help="list the price catalogue with sources")
     cat.add_argument("--catalogue", type=Path, help="override file to merge first")
     sub.add_parser("sweep-bench", help="time a 200-rate sweep over every catalogue entry")
@@ -219,9 +191,7 @@ def make_overrides(v: dict[str, Any]) -> Overrides:
     if v.get("scaledown_window") is not None and v["scaledown_window"] < 0:
         raise CostModelError("--scaledown-window must be >= 0 seconds")
     if v["cpu_cores"] < 0 or v["memory_gib"] < 0 or not 0 <= v["max_cold_fraction"] <= 1:
-        raise CostModelError(
-            "--cpu-cores/--memory-gib must be >= 0 and --max-cold-fraction within 0..1"
-        )
+        raise CostModelError("--cpu-cores/--memory-gib must be >= 0 and --max-cold-fraction within 0..1")
     setup, idle = _billed(v.get("billed"))
     return Overrides(
         concurrency=v.get("concurrency"),
@@ -273,9 +243,7 @@ def _custom_entries(v: dict[str, Any]) -> list[dict[str, Any]]:
         try:
             tin, tout = (float(x) for x in v["price_per_million_tokens"].split(","))
         except ValueError:
-            raise CostModelError(
-                "--price-per-million-tokens wants IN,OUT, e.g. 0.05,0.25"
-            ) from None
+            raise CostModelError("--price-per-million-tokens wants IN,OUT, e.g. 0.05,0.25") from None
         out.append(
             {
                 **base,
@@ -325,9 +293,7 @@ def run_estimate(args: argparse.Namespace, console: Console) -> None:
     overrides = make_overrides(v)
     cat, custom_ids = make_catalogue(v)
     entries = select_entries(cat, v, custom_ids)
-    an = analyse(
-        cat, entries, workload, service, overrides, v["max_cold_fraction"], notes_for(args.scenario)
-    )
+    an = analyse(cat, entries, workload, service, overrides, v["max_cold_fraction"], notes_for(args.scenario))
     if args.json:
         print(render_json(an))
     else:
@@ -336,6 +302,16 @@ def run_estimate(args: argparse.Namespace, console: Console) -> None:
         from cost_model.plot import write_plot
 
         write_plot(args.plot, cat, entries, an)
+
+
+def _price_text(entry: Any) -> str:
+    if entry.kind == "per_second":
+        return f"${entry.usd_per_second}/s"
+    if entry.kind == "reserved_hourly":
+        return f"${entry.usd_per_hour}/h"
+    if entry.kind == "per_token":
+        return f"${entry.usd_per_million_input}/${entry.usd_per_million_output} per M"
+    return f"${entry.usd_per_request}/req"
 
 
 def run_catalogue(args: argparse.Namespace, console: Console) -> None:
@@ -348,12 +324,7 @@ def run_catalogue(args: argparse.Namespace, console: Console) -> None:
     for col in ("id", "kind", "gpu/model", "price", "read on", "source"):
         table.add_column(col, overflow="fold")
     for e in cat.entries:
-        price = {
-            "per_second": lambda: f"${e.usd_per_second}/s",
-            "reserved_hourly": lambda: f"${e.usd_per_hour}/h",
-            "per_token": lambda: f"${e.usd_per_million_input}/${e.usd_per_million_output} per M",
-            "per_request": lambda: f"${e.usd_per_request}/req",
-        }[e.kind]()
+        price = _price_text(e)
         table.add_row(
             e.id,
             e.kind,

@@ -54,9 +54,7 @@ def results_table(an: Analysis) -> Table:
 def render_text(an: Analysis, console: Console) -> None:
     for note in an.notes:
         console.print(note, highlight=False)
-    console.print(
-        f"service: {an.service.label}; cold start {an.service.cold_start_s:g} s", highlight=False
-    )
+    console.print(f"service: {an.service.label}; cold start {an.service.cold_start_s:g} s", highlight=False)
     console.print(results_table(an))
     console.print("[bold]Working[/bold]")
     for r in sorted(an.results, key=lambda r: r.cost_per_day):

@@ -61,9 +61,7 @@ class ServiceProfile(BaseModel):
         i = bisect_right([p.concurrency for p in pts], concurrency)
         lo, hi = pts[i - 1], pts[i]
         frac = (concurrency - lo.concurrency) / (hi.concurrency - lo.concurrency)
-        return lo.per_stream_tokens_per_s + frac * (
-            hi.per_stream_tokens_per_s - lo.per_stream_tokens_per_s
-        )
+        return lo.per_stream_tokens_per_s + frac * (hi.per_stream_tokens_per_s - lo.per_stream_tokens_per_s)
 
     def aggregate_rate(self, concurrency: float) -> float:
         return concurrency * self.per_stream_rate(concurrency)
@@ -91,17 +89,13 @@ def parse_curve(text: str) -> list[ThroughputPoint]:
     for item in text.split(","):
         parts = item.strip().split(":")
         if len(parts) != 2:
-            raise CostModelError(
-                f"bad --throughput item '{item.strip()}': expected CONCURRENCY:TOKENS_PER_S"
-            )
+            raise CostModelError(f"bad --throughput item '{item.strip()}': expected CONCURRENCY:TOKENS_PER_S")
         try:
             conc, rate = float(parts[0]), float(parts[1])
         except ValueError:
             raise CostModelError(f"bad --throughput item '{item.strip()}': not numbers") from None
         if conc < 1 or rate <= 0:
-            raise CostModelError(
-                f"bad --throughput item '{item.strip()}': concurrency >= 1, rate > 0"
-            )
+            raise CostModelError(f"bad --throughput item '{item.strip()}': concurrency >= 1, rate > 0")
         points.append(ThroughputPoint(concurrency=conc, per_stream_tokens_per_s=rate))
     return sorted(points, key=lambda p: p.concurrency)
 
@@ -119,9 +113,7 @@ def from_flags(
             raise CostModelError("--tokens-per-s must be > 0")
         points = [ThroughputPoint(concurrency=1, per_stream_tokens_per_s=tokens_per_s)]
     else:
-        raise CostModelError(
-            "give the service speed: --bench FILE, --tokens-per-s N or --throughput C:N,..."
-        )
+        raise CostModelError("give the service speed: --bench FILE, --tokens-per-s N or --throughput C:N,...")
     try:
         return ServiceProfile(points=tuple(points), ttft_s=ttft_s, cold_start_s=cold_start_s)
     except ValueError as exc:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cost_model.constants import HOURS_PER_DAY, SECONDS_PER_HOUR
 
 
-class Arrival(str, Enum):
+class Arrival(str, Enum):  # noqa: UP042 (StrEnum would change how values print)
     STEADY = "steady"  # evenly spaced requests: every gap is exactly 1/rate
     POISSON = "poisson"  # independent arrivals: gaps are exponential
     PEAK = "peak"  # Poisson, but `peak_hours` a day run at `peak_factor` x the mean rate

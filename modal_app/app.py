@@ -168,8 +168,6 @@ def smoke(prompt: str = "", max_tokens: int = 128) -> None:
     if url is None:
         raise RuntimeError("Modal gave the web endpoint no URL")
     print(f"serving {SETTINGS.model_name} at {url}")
-    result = asyncio.run(
-        run_smoke(url, SETTINGS, prompt=prompt or SMOKE_PROMPT, max_tokens=max_tokens)
-    )
+    result = asyncio.run(run_smoke(url, SETTINGS, prompt=prompt or SMOKE_PROMPT, max_tokens=max_tokens))
     print(result.text)
     print(result.summary())

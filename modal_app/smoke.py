@@ -93,9 +93,7 @@ async def run_smoke(
             return await _timed_stream(client, settings.model_name, prompt, max_tokens)
 
 
-async def _timed_stream(
-    client: ResumableClient, model: str, prompt: str, max_tokens: int
-) -> SmokeResult:
+async def _timed_stream(client: ResumableClient, model: str, prompt: str, max_tokens: int) -> SmokeResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],

@@ -136,9 +136,7 @@ async def _read_json(request: Request, settings: Settings) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def _respond(
-    request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest
-) -> Response:
+async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
     request_id = request.headers.get("x-request-id") or None
     last_event_id = _last_event_id(request)
@@ -151,9 +149,7 @@ async def _respond(
     after = last_event_id or 0
     generation.check_resumable(after)
     service.registry.attach(generation)
-    return EventStreamResponse(
-        _stream(service, generation, after), headers={**SSE_HEADERS, **headers}
-    )
+    return EventStreamResponse(_stream(service, generation, after), headers={**SSE_HEADERS, **headers})
 
 
 def _last_event_id(request: Request) -> int | None:
@@ -165,9 +161,7 @@ def _last_event_id(request: Request) -> int | None:
     return int(raw)
 
 
-async def _whole_response(
-    service: Service, generation: Generation, headers: dict[str, str]
-) -> Response:
+async def _whole_response(service: Service, generation: Generation, headers: dict[str, str]) -> Response:
     service.registry.attach(generation)
     try:
         await generation.wait()
@@ -234,9 +228,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         error = Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
-        response = JSONResponse(
-            error.to_openai(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-        )
+        response = JSONResponse(error.to_openai(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:

@@ -44,9 +44,7 @@ TARGETS = ("raw", "bundle", "vllm_server")
 
 
 # --- one target each ------------------------------------------------------------------------------
-async def bench_raw(
-    settings: Settings, workload: Workload, levels: list[int], rounds: int
-) -> list[dict]:
+async def bench_raw(settings: Settings, workload: Workload, levels: list[int], rounds: int) -> list[dict]:
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -70,18 +68,14 @@ async def bench_http(
     timeout = httpx.Timeout(30.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         if clients <= 1:
-            return await _levels(
-                http_requester(client, workload, api_key), workload, levels, rounds
-            )
+            return await _levels(http_requester(client, workload, api_key), workload, levels, rounds)
         await run_level(http_requester(client, workload, api_key), workload.prompts(4), 4)
     spawn = multiprocessing.get_context("spawn")
     results = []
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
         for level in levels:
             prompts = workload.prompts(requests_per_level(level, rounds))
-            results.append(
-                run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
-            )
+            results.append(run_level_in_processes(pool, url, workload, prompts, level, clients, api_key))
             print(_line(results[-1]), flush=True)
     return results
 
@@ -201,9 +195,7 @@ def peak_rss_mib(pid: int) -> float:
 # --- the whole suite ---------------------------------------------------------------------------
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
-    workload = Workload(
-        args.prompt_tokens, args.output_tokens, args.vocab, model=settings.model_name
-    )
+    workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, model=settings.model_name)
     levels = [int(x) for x in args.levels.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,14 +213,10 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{target}:", flush=True)
         started = time.perf_counter()
         if target == "raw":
-            results[target] = {
-                "levels": asyncio.run(bench_raw(settings, workload, levels, args.rounds))
-            }
+            results[target] = {"levels": asyncio.run(bench_raw(settings, workload, levels, args.rounds))}
         else:
             port = free_port()
-            command = (
-                bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
-            )
+            command = bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
             with running_server(command, port, out / f"{target}.log", env) as pid:
                 url = f"http://127.0.0.1:{port}"
                 levels_run = bench_http(url, workload, levels, args.rounds, clients=args.clients)
@@ -237,19 +225,14 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
                     "client_processes": args.clients,
                 }
                 if target == "bundle" and args.capacity:
-                    results[target]["capacity"] = asyncio.run(
-                        capacity(url, workload, args.capacity)
-                    )
+                    results[target]["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
                     results[target]["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
         results[target]["seconds"] = time.perf_counter() - started
     report = {
         "schema": "bundle-bench/1",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": args.machine
-        or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-        "model": settings.model
-        if not settings.uses_tiny_model
-        else f"tiny:{settings.tiny_model_shape}",
+        "machine": args.machine or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+        "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
         "workload": vars(workload),
         "targets": results,
     }
@@ -271,9 +254,7 @@ async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]
         model=workload.model,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(
-        base_url=url, limits=limits, timeout=httpx.Timeout(60, read=900)
-    ) as c:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60, read=900)) as c:
         one = http_requester(c, long)
         started = time.perf_counter()
         samples = await asyncio.gather(*(one(p) for p in long.prompts(streams)))
@@ -343,12 +324,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, target in report["targets"].items():
         xs = [lv["concurrency"] for lv in target["levels"]]
-        left.plot(
-            xs, [lv["output_tokens_per_s"] for lv in target["levels"]], marker="o", label=name
-        )
-        right.plot(
-            xs, [lv["ttft_s"]["p50"] * 1000 for lv in target["levels"]], marker="o", label=name
-        )
+        left.plot(xs, [lv["output_tokens_per_s"] for lv in target["levels"]], marker="o", label=name)
+        right.plot(xs, [lv["ttft_s"]["p50"] * 1000 for lv in target["levels"]], marker="o", label=name)
     for axis, label in ((left, "output tokens/s"), (right, "TTFT p50 (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent streams")
@@ -385,9 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     suite.add_argument("--targets", default=",".join(TARGETS))
     suite.add_argument("--capacity", type=int, default=1000, help="streams held open; 0: skip")
     suite.add_argument("--machine", default="", help="how to name the machine in the report")
-    suite.add_argument(
-        "--merge", action="store_true", help="add to the targets in --out/bench.json"
-    )
+    suite.add_argument("--merge", action="store_true", help="add to the targets in --out/bench.json")
     http = sub.choices["http"]
     http.add_argument("--url", required=True)
     http.add_argument("--model", default="tiny")

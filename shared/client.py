@@ -170,9 +170,7 @@ class ResumableClient:
     async def _backoff(self, cause: Exception) -> None:
         self.reconnects += 1
         if self.reconnects > self.max_retries:
-            raise RetriesExhausted(
-                f"gave up after {self.max_retries} retries: {cause!r}"
-            ) from cause
+            raise RetriesExhausted(f"gave up after {self.max_retries} retries: {cause!r}") from cause
         delay = min(self.backoff_s * 2 ** (self.reconnects - 1), self.max_backoff_s)
         if isinstance(cause, _Retryable):
             delay = max(delay, cause.retry_after_s)

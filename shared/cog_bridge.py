@@ -223,9 +223,7 @@ def start_chat(service: Service, body: ChatCompletionRequest, request_id: str | 
     return generation
 
 
-async def _next_chunk(
-    pieces: AsyncIterator[str], generation: Generation, taken: int
-) -> tuple[str, int]:
+async def _next_chunk(pieces: AsyncIterator[str], generation: Generation, taken: int) -> tuple[str, int]:
     """The next piece, joined with every piece already generated after it (one hop, one send).
 
     A stream whose reader keeps up gets one token per chunk; one that falls behind (a loaded

@@ -88,18 +88,14 @@ class VLLMEngine:
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         try:
-            ids = self._tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True
-            )
+            ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         except ValueError as exc:  # no chat template, or one that rejects the roles given
             raise InvalidRequest(f"cannot render these messages: {exc}", param="messages") from exc
         if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
-    async def generate(
-        self, request_id: str, request: SamplingRequest
-    ) -> AsyncIterator[EngineDelta]:
+    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
@@ -159,9 +155,7 @@ def _sampling_params(request: SamplingRequest) -> Any:
 
 def resolve_model_path(settings: Settings) -> str:
     if settings.uses_tiny_model:
-        return str(
-            ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed)
-        )
+        return str(ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed))
     return settings.model
 
 
@@ -199,11 +193,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
 def _dtype(settings: Settings) -> str:
     # vLLM's "auto" turns a float32 checkpoint into bf16; the tiny model stays float32, the
     # one dtype that also survives under Cog's worker on this CPU (see cog/predict.py).
-    if (
-        settings.dtype == "auto"
-        and settings.uses_tiny_model
-        and settings.tiny_model_shape == "tiny"
-    ):
+    if settings.dtype == "auto" and settings.uses_tiny_model and settings.tiny_model_shape == "tiny":
         return "float32"
     return settings.dtype
 

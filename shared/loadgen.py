@@ -33,10 +33,7 @@ class Workload:
         """Fixed token-id prompts (the same for every target); ids avoid the special tokens."""
         rng = random.Random(self.seed)
         low = min(16, self.vocab_size - 1)
-        return [
-            [rng.randrange(low, self.vocab_size) for _ in range(self.prompt_tokens)]
-            for _ in range(count)
-        ]
+        return [[rng.randrange(low, self.vocab_size) for _ in range(self.prompt_tokens)] for _ in range(count)]
 
 
 @dataclass
@@ -188,9 +185,7 @@ def engine_requester(llm: Any, workload: Workload) -> Callable[[list[int]], Awai
         arrivals: list[float] = []
         tokens = 0
         try:
-            async for output in llm.generate(
-                {"prompt_token_ids": prompt}, params, f"raw-{next(counter)}"
-            ):
+            async for output in llm.generate({"prompt_token_ids": prompt}, params, f"raw-{next(counter)}"):
                 new = len(output.outputs[0].token_ids)
                 if new:
                     arrivals.append(time.perf_counter() - started)
@@ -262,9 +257,7 @@ async def _client_share(
         # Open the connections before the clock starts, as the single-process path's warm-up
         # does: TCP set-up is not the server's time to first token.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        await asyncio.gather(
-            *(client.get("/v1/models", headers=headers) for _ in range(concurrency))
-        )
+        await asyncio.gather(*(client.get("/v1/models", headers=headers) for _ in range(concurrency)))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         samples = await _gather_limited(one, prompts, concurrency)
         end = time.time()

@@ -81,8 +81,7 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in self.messages
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages
         ]
 
 
@@ -108,8 +107,6 @@ def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
     error = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in error["loc"]) or None
     if error["type"] == "extra_forbidden":
-        return InvalidRequest(
-            f"unsupported parameter: {param}", param=param, code="unsupported_parameter"
-        )
+        return InvalidRequest(f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
     message = f"{param}: {error['msg']}" if param else error["msg"]
     return InvalidRequest(message, param=param, code="invalid_value")

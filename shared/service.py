@@ -95,8 +95,7 @@ class Service:
     def _check_model(self, model: str) -> None:
         if model != self.settings.model_name:
             raise ModelNotFound(
-                f"model {model!r} is not served here; this server serves "
-                f"{self.settings.model_name!r}",
+                f"model {model!r} is not served here; this server serves {self.settings.model_name!r}",
                 param="model",
             )
 

@@ -151,9 +151,7 @@ class Settings(BaseSettings):
         max_inputs = self.modal_max_inputs or self.max_num_seqs
         target = self.modal_target_inputs or max(1, max_inputs // 2)
         if target > max_inputs:
-            raise ValueError(
-                f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})"
-            )
+            raise ValueError(f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})")
         return max_inputs, target
 
     def with_default_model(self, model: str, revision: str | None) -> Settings:

@@ -43,9 +43,7 @@ class LiveServers:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()
-        self.engine: Engine = self.call(
-            self._stack.enter_async_context(engine_factory(ENGINE_SETTINGS))
-        )
+        self.engine: Engine = self.call(self._stack.enter_async_context(engine_factory(ENGINE_SETTINGS)))
         self._servers: list[uvicorn.Server] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
@@ -56,9 +54,7 @@ class LiveServers:
         settings = Settings(**{**ENGINE_SETTINGS.model_dump(), **overrides})
         app = create_app(settings, engine=self.engine)
         port = free_port()
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
-        )
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
         self._servers.append(server)
 

@@ -27,9 +27,7 @@ class DyingEngine:
     def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return self.tokenize("".join(m["content"] for m in messages))
 
-    async def generate(
-        self, request_id: str, request: SamplingRequest
-    ) -> AsyncIterator[EngineDelta]:
+    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         if self.dead:
             raise EngineUnavailable("the engine is not running")
         self.running += 1

@@ -44,9 +44,7 @@ def test_sdk_streams_chat(sdk: openai.OpenAI) -> None:
 
 
 def test_sdk_chat_without_streaming_matches_greedy_stream(sdk: openai.OpenAI) -> None:
-    whole = sdk.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0
-    )
+    whole = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0)
     stream = sdk.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=12, temperature=0.0, stream=True
     )
@@ -57,9 +55,7 @@ def test_sdk_chat_without_streaming_matches_greedy_stream(sdk: openai.OpenAI) ->
 
 
 def test_sdk_completions_stream_and_not(sdk: openai.OpenAI) -> None:
-    whole = sdk.completions.create(
-        model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1
-    )
+    whole = sdk.completions.create(model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1)
     pieces = sdk.completions.create(
         model="tiny", prompt="Once upon", max_tokens=10, temperature=0.0, seed=1, stream=True
     )
@@ -99,9 +95,7 @@ def test_stop_sequence_is_honoured(sdk: openai.OpenAI) -> None:
     text = free.choices[0].text
     # A character of the greedy text past its start: generation must end right before it.
     stop = next(c for c in text[3:] if c.strip())
-    stopped = sdk.completions.create(
-        model="tiny", prompt="a", max_tokens=30, temperature=0.0, stop=[stop]
-    )
+    stopped = sdk.completions.create(model="tiny", prompt="a", max_tokens=30, temperature=0.0, stop=[stop])
     assert stopped.choices[0].text == text[: text.index(stop)], (text, stop)
     assert stopped.choices[0].finish_reason == "stop"
 
@@ -211,9 +205,7 @@ def test_api_key_is_required_everywhere_but_health(live: LiveServers) -> None:
                 response = client.request(method, path, json=body, headers=headers)
                 assert response.status_code == 401, (path, headers)
                 assert response.json()["error"]["type"] == "authentication_error"
-            good = client.request(
-                method, path, json=body, headers={"Authorization": "Bearer s3cret"}
-            )
+            good = client.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert good.status_code != 401
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
     assert sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3).choices

@@ -12,9 +12,7 @@ from shared.client import ResumableClient, ServerError
 
 
 def replicate_stream(events: list[tuple[str, str]]) -> httpx.MockTransport:
-    body = "".join(
-        f"event: {name}\nid: {i}\ndata: {data}\n\n" for i, (name, data) in enumerate(events)
-    )
+    body = "".join(f"event: {name}\nid: {i}\ndata: {data}\n\n" for i, (name, data) in enumerate(events))
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.headers["accept"] == "text/event-stream"
@@ -24,9 +22,7 @@ def replicate_stream(events: list[tuple[str, str]]) -> httpx.MockTransport:
 
 
 async def client_for(transport: httpx.MockTransport) -> ResumableClient:
-    return ResumableClient(
-        "http://r", http=httpx.AsyncClient(transport=transport, base_url="http://r")
-    )
+    return ResumableClient("http://r", http=httpx.AsyncClient(transport=transport, base_url="http://r"))
 
 
 async def test_replicate_output_events_are_the_text() -> None:
@@ -43,9 +39,7 @@ async def test_replicate_error_and_cancel_raise() -> None:
     async with failing:
         with pytest.raises(ServerError, match="CUDA out of memory"):
             [p async for p in failing.stream_url("http://r/s")]
-    cancelled = await client_for(
-        replicate_stream([("output", "a"), ("done", '{"reason": "canceled"}')])
-    )
+    cancelled = await client_for(replicate_stream([("output", "a"), ("done", '{"reason": "canceled"}')]))
     async with cancelled:
         with pytest.raises(ServerError, match="cancelled"):
             [p async for p in cancelled.stream_url("http://r/s")]

@@ -141,9 +141,7 @@ def test_cancel_hook_fires_the_signal_of_the_run_it_submitted() -> None:
         loop.close()
 
 
-def test_missing_hook_is_reported(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_hook_is_reported(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bridge._hook_state, "warned", False)
     with caplog.at_level(logging.WARNING, logger="shared.cog_bridge"):
         assert bridge.current_cancel_signal(under_coglet=True) is None
@@ -157,9 +155,7 @@ class CogServer:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    stats_path: (
-        Path  # the core writes vLLM's own running-request count here (BUNDLE_ENGINE_STATS_FILE)
-    )
+    stats_path: Path  # the core writes vLLM's own running-request count here (BUNDLE_ENGINE_STATS_FILE)
 
     def engine_running_requests(self) -> int:
         """What the engine itself holds, read without going through coglet's dispatch."""
@@ -256,9 +252,7 @@ async def sse_prediction(
 ) -> Stream:
     stream = stream or Stream()
     stream.started_at = time.monotonic() - clock
-    method, path = (
-        ("PUT", f"/predictions/{prediction_id}") if prediction_id else ("POST", "/predictions")
-    )
+    method, path = ("PUT", f"/predictions/{prediction_id}") if prediction_id else ("POST", "/predictions")
     async with client.stream(
         method, f"{url}{path}", json={"input": inputs}, headers={"Accept": "text/event-stream"}
     ) as response:
@@ -281,9 +275,7 @@ async def sse_prediction(
 
 def probe(url: str) -> dict[str, Any]:
     """A one-token prediction; its metrics say what the engine held when it arrived."""
-    response = httpx.post(
-        f"{url}/predictions", json={"input": {"prompt": "ping", "max_tokens": 1}}, timeout=30
-    )
+    response = httpx.post(f"{url}/predictions", json={"input": {"prompt": "ping", "max_tokens": 1}}, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -295,9 +287,7 @@ def probe(url: str) -> dict[str, Any]:
 def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
     async def go() -> Stream:
         async with httpx.AsyncClient(timeout=120) as client:
-            return await sse_prediction(
-                client, cog_server.url, {**LONG, "seed": 1}, time.monotonic()
-            )
+            return await sse_prediction(client, cog_server.url, {**LONG, "seed": 1}, time.monotonic())
 
     stream = asyncio.run(go())
     assert stream.completed is not None and stream.completed["status"] == "succeeded"
@@ -322,9 +312,7 @@ def test_four_stream_at_once_and_a_fifth_is_refused_or_waits(cog_server: CogServ
         clock = time.monotonic()
         async with httpx.AsyncClient(timeout=180) as client:
             tasks = [
-                asyncio.create_task(
-                    sse_prediction(client, cog_server.url, {**LONG, "seed": 10 + i}, clock)
-                )
+                asyncio.create_task(sse_prediction(client, cog_server.url, {**LONG, "seed": 10 + i}, clock))
                 for i in range(4)
             ]
             await asyncio.sleep(0.3)  # all four admitted and streaming
@@ -463,8 +451,7 @@ def test_core_rejections_are_failed_predictions_with_the_reason(cog_server: CogS
 def test_same_request_id_follows_the_same_generation(cog_server: CogServer) -> None:
     inputs = {"prompt": "dedup", "max_tokens": 40, "temperature": 1.0, "request_id": "same-1"}
     outputs = [
-        httpx.post(f"{cog_server.url}/predictions", json={"input": inputs}, timeout=60).json()
-        for _ in range(2)
+        httpx.post(f"{cog_server.url}/predictions", json={"input": inputs}, timeout=60).json() for _ in range(2)
     ]
     assert [o["status"] for o in outputs] == ["succeeded", "succeeded"]
     texts = ["".join(o["output"]) for o in outputs]
@@ -476,9 +463,7 @@ def test_core_client_reads_the_cog_server_stream(cog_server: CogServer) -> None:
 
     async def go() -> str:
         async with ResumableClient(cog_server.url) as client:
-            pieces = [
-                p async for p in client.stream_prediction({**LONG, "max_tokens": 40, "seed": 3})
-            ]
+            pieces = [p async for p in client.stream_prediction({**LONG, "max_tokens": 40, "seed": 3})]
         return "".join(pieces)
 
     streamed = asyncio.run(go())
@@ -495,9 +480,7 @@ def test_dead_engine_is_unhealthy_and_fails_predictions(cog_server: CogServer) -
     assert httpx.get(f"{cog_server.url}/health-check", timeout=15).json()["status"] == "READY"
     group = os.getpgid(cog_server.process.pid)
     engine_cores = [
-        int(pid)
-        for pid in os.listdir("/proc")
-        if pid.isdigit() and _is_engine_core(int(pid), group)
+        int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_engine_core(int(pid), group)
     ]
     assert engine_cores, "no vLLM engine core process found in the server's process group"
     for pid in engine_cores:

@@ -44,16 +44,12 @@ SCALE_TO_ZERO = BillingRules(
 
 
 def workload(per_day: float, arrival: Arrival = Arrival.POISSON) -> Workload:
-    return Workload(
-        requests_per_day=per_day, arrival=arrival, prompt_tokens=100, output_tokens=1000
-    )
+    return Workload(requests_per_day=per_day, arrival=arrival, prompt_tokens=100, output_tokens=1000)
 
 
 def test_per_token_by_hand() -> None:
     cat = load_packaged()
-    res = evaluate(
-        cat, cat.entry("replicate-meta-llama-3-8b-instruct"), workload(1000), SERVICE, Overrides()
-    )
+    res = evaluate(cat, cat.entry("replicate-meta-llama-3-8b-instruct"), workload(1000), SERVICE, Overrides())
     # 100 x $0.05/M + 1000 x $0.25/M = $0.000005 + $0.00025
     assert res.cost_per_request == pytest.approx(0.000255)
     assert res.cost_per_million_output == pytest.approx(0.255)
@@ -62,9 +58,7 @@ def test_per_token_by_hand() -> None:
 
 def test_reserved_by_hand() -> None:
     cat = load_packaged()
-    res = evaluate(
-        cat, cat.entry("runpod-a100-sxm-secure-cloud"), workload(1000), SERVICE, Overrides()
-    )
+    res = evaluate(cat, cat.entry("runpod-a100-sxm-secure-cloud"), workload(1000), SERVICE, Overrides())
     # One machine is enough; it is paid 24 h a day: 1.59 x 24 = 38.16 per day.
     assert res.replicas_at_peak == 1
     assert res.cost_per_day == pytest.approx(38.16)
@@ -102,9 +96,7 @@ def test_poisson_scale_to_zero_cold_starts_and_idle_by_hand() -> None:
 def test_steady_gaps_longer_than_window_by_hand() -> None:
     # 100/day evenly: 864 s between requests > 60 s window, so every request cold-starts and
     # pays 30 s start-up + 2.1 s work + 60 s idle = 92.1 s.
-    res = billing.per_second(
-        ENTRY, SCALE_TO_ZERO, workload(100, Arrival.STEADY), SERVICE, Overrides()
-    )
+    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(100, Arrival.STEADY), SERVICE, Overrides())
     assert res.billable_seconds_per_day == pytest.approx(9210.0)
     assert res.cold_starts_per_day == pytest.approx(100.0)
     assert res.cost_per_request == pytest.approx(0.0921)
@@ -112,17 +104,13 @@ def test_steady_gaps_longer_than_window_by_hand() -> None:
 
 def test_steady_gaps_inside_window_stay_warm() -> None:
     # 2000/day evenly: gaps of 43.2 - 2.1 = 41.1 s < 60 s, so the container never scales down.
-    res = billing.per_second(
-        ENTRY, SCALE_TO_ZERO, workload(2000, Arrival.STEADY), SERVICE, Overrides()
-    )
+    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(2000, Arrival.STEADY), SERVICE, Overrides())
     assert res.billable_seconds_per_day == pytest.approx(DAY)
     assert res.cold_starts_per_day == 0.0
 
 
 def test_min_container_bills_all_day() -> None:
-    res = billing.per_second(
-        ENTRY, SCALE_TO_ZERO, workload(1000), SERVICE, Overrides(min_containers=1)
-    )
+    res = billing.per_second(ENTRY, SCALE_TO_ZERO, workload(1000), SERVICE, Overrides(min_containers=1))
     assert res.billable_seconds_per_day == pytest.approx(DAY, rel=1e-9)
     assert res.cold_starts_per_day == pytest.approx(0.0, abs=1e-9)
 

@@ -31,8 +31,7 @@ def services(draw: st.DrawFn) -> ServiceProfile:
     slope = draw(st.floats(0.0, 0.01))
     levels = [1, 4, 16, 64]
     pts = tuple(
-        ThroughputPoint(concurrency=c, per_stream_tokens_per_s=base / (1 + slope * (c - 1)))
-        for c in levels
+        ThroughputPoint(concurrency=c, per_stream_tokens_per_s=base / (1 + slope * (c - 1))) for c in levels
     )
     return ServiceProfile(
         points=pts, ttft_s=draw(st.floats(0.0, 2.0)), cold_start_s=draw(st.floats(0.0, 120.0))
@@ -80,9 +79,7 @@ def test_cost_never_falls_when_rate_rises(svc, rules, arrival, lo, ratio) -> Non
     c1=st.integers(1, 64),
     extra=st.integers(1, 64),
 )
-def test_more_concurrency_never_raises_cost_per_request(
-    svc, rules, arrival, rate, c1, extra
-) -> None:  # noqa: ANN001
+def test_more_concurrency_never_raises_cost_per_request(svc, rules, arrival, rate, c1, extra) -> None:  # noqa: ANN001
     few = cost(rate, svc, rules, arrival, Overrides(concurrency=c1)).cost_per_request
     many = cost(rate, svc, rules, arrival, Overrides(concurrency=c1 + extra)).cost_per_request
     assert many <= few * (1 + 1e-9)

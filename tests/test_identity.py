@@ -40,10 +40,7 @@ async def test_twenty_duplicates_share_one_generation(base_url: str, service: Se
     headers = {"X-Request-Id": "dup-twenty"}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         responses = await asyncio.gather(
-            *(
-                client.post("/v1/chat/completions", json=sampled_chat(), headers=headers)
-                for _ in range(20)
-            )
+            *(client.post("/v1/chat/completions", json=sampled_chat(), headers=headers) for _ in range(20))
         )
     assert service.metrics.engine_generations._value.get() - before == 1
     bodies = {r.content for r in responses}
@@ -51,9 +48,7 @@ async def test_twenty_duplicates_share_one_generation(base_url: str, service: Se
     assert all(r.headers["x-request-id"] == "dup-twenty" for r in responses)
 
 
-async def test_a_finished_result_is_replayed_not_regenerated(
-    base_url: str, service: Service
-) -> None:
+async def test_a_finished_result_is_replayed_not_regenerated(base_url: str, service: Service) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 16}
     headers = {"X-Request-Id": "replay-whole"}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
@@ -93,12 +88,11 @@ async def test_resume_after_k_events_gives_exactly_the_uninterrupted_text(base_u
     headers = {"X-Request-Id": "resume-k"}
     body = sampled_chat(200)
     k = 7
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client, client.stream(
-        "POST", "/v1/chat/completions", json=body, headers=headers
-    ) as watcher:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=body, headers=headers
-        ) as cut:
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as watcher,
+    ):
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as cut:
             first_part = await read_events(cut, k)
         # The cut connection is closed; the watcher keeps the generation attached.
         resumed = await client.post(
@@ -160,27 +154,26 @@ async def test_resumable_client_survives_five_disconnects(base_url: str, service
     params = {k: v for k, v in body.items() if k not in ("messages", "stream")}
     before = service.metrics.engine_generations._value.get()
     async with client:
-        pieces = [
-            p async for p in client.stream_chat(body["messages"], request_id="five-cuts", **params)
-        ]
+        pieces = [p async for p in client.stream_chat(body["messages"], request_id="five-cuts", **params)]
         assert client.reconnects == 5
     assert transport.cuts_left == 0
     assert service.metrics.engine_generations._value.get() - before == 1
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as plain:
-        replay = await plain.post(
-            "/v1/chat/completions", json=body, headers={"X-Request-Id": "five-cuts"}
-        )
+        replay = await plain.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "five-cuts"})
     assert "".join(pieces) == texts_of(replay.content)
 
 
 async def test_disconnect_with_id_aborts_after_the_grace_window(live: LiveServers) -> None:
     url, service = live.serve(disconnect_grace_s=1.0)
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client, client.stream(
-        "POST",
-        "/v1/chat/completions",
-        json=long_chat(max_tokens=1900),
-        headers={"X-Request-Id": "grace"},
-    ) as response:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+        client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json=long_chat(max_tokens=1900),
+            headers={"X-Request-Id": "grace"},
+        ) as response,
+    ):
         await read_events(response, 3)
     left = time.monotonic()
     await asyncio.sleep(0.3)
@@ -194,9 +187,7 @@ async def test_disconnect_with_id_aborts_after_the_grace_window(live: LiveServer
     assert 'bundle_aborted_requests_total{reason="grace_expired"} 1.0' in metrics
 
 
-async def test_cancel_aborts_within_a_second_and_ends_attached_streams(
-    base_url: str, service: Service
-) -> None:
+async def test_cancel_aborts_within_a_second_and_ends_attached_streams(base_url: str, service: Service) -> None:
     headers = {"X-Request-Id": "to-cancel"}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         async with client.stream(
@@ -226,9 +217,7 @@ async def test_evicted_events_give_a_clear_error(live: LiveServers) -> None:
         full = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert full.status_code == 200  # a live reader is never cut short by the buffer
         assert len(sse_events(full.content)) > 16
-        gone = await client.post(
-            "/v1/chat/completions", json=body, headers={**headers, "Last-Event-ID": "1"}
-        )
+        gone = await client.post("/v1/chat/completions", json=body, headers={**headers, "Last-Event-ID": "1"})
         assert gone.status_code == 410
         assert gone.json()["error"]["code"] == "events_gone"
         never = await client.post(
@@ -254,9 +243,7 @@ async def test_thousand_cycles_stay_within_bounds(live: LiveServers) -> None:
     async def cycle(client: httpx.AsyncClient, index: int) -> str:
         headers = {"X-Request-Id": f"cycle-{index}"}
         async with semaphore:
-            async with client.stream(
-                "POST", "/v1/chat/completions", json=body, headers=headers
-            ) as r:
+            async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
                 head = await read_events(r, 2)
             rest = await client.post(
                 "/v1/chat/completions", json=body, headers={**headers, "Last-Event-ID": "2"}
@@ -286,9 +273,7 @@ async def test_client_says_it_cannot_resume_a_server_without_event_ids() -> None
             yield b"data: " + chunk + b"\n\n"
             raise httpx.ReadError("dropped")
 
-        return httpx.Response(
-            200, stream=_Stream(body()), headers={"content-type": "text/event-stream"}
-        )
+        return httpx.Response(200, stream=_Stream(body()), headers={"content-type": "text/event-stream"})
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://plain")
     async with ResumableClient("http://plain", http=http, backoff_s=0) as client:
@@ -307,9 +292,7 @@ async def test_client_streams_from_a_plain_openai_server_without_ids() -> None:
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://plain")
     async with ResumableClient("http://plain", http=http) as client:
-        text = "".join(
-            [p async for p in client.stream_chat([{"role": "user", "content": "x"}], model="m")]
-        )
+        text = "".join([p async for p in client.stream_chat([{"role": "user", "content": "x"}], model="m")])
     assert text == "abc"
 
 

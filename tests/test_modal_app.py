@@ -89,9 +89,7 @@ def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_concurrency_overrides_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = load_modal_app(
-        monkeypatch, BUNDLE_MODAL_MAX_INPUTS="100", BUNDLE_MODAL_TARGET_INPUTS="80"
-    )
+    module = load_modal_app(monkeypatch, BUNDLE_MODAL_MAX_INPUTS="100", BUNDLE_MODAL_TARGET_INPUTS="80")
     concurrency = module.Server._get_class_service_function().info().concurrency_info
     assert (concurrency.max_inputs, concurrency.target_inputs) == (100, 80)
     assert Settings().modal_concurrency() == (100, 80)
@@ -131,9 +129,7 @@ def test_the_api_key_travels_only_as_a_secret(monkeypatch: pytest.MonkeyPatch) -
     secrets = module.Server._get_class_service_function().info().secrets
     assert any("BUNDLE_API_KEY" in secret for secret in secrets)
 
-    module = load_modal_app(
-        monkeypatch, BUNDLE_API_KEY=API_KEY, BUNDLE_MODAL_SECRET_NAME="llm-keys"
-    )
+    module = load_modal_app(monkeypatch, BUNDLE_API_KEY=API_KEY, BUNDLE_MODAL_SECRET_NAME="llm-keys")
     secrets = module.Server._get_class_service_function().info().secrets
     assert any("llm-keys" in secret for secret in secrets)
     assert not any("BUNDLE_API_KEY" in secret for secret in secrets)
@@ -203,9 +199,7 @@ def test_openai_sdk_streams_a_chat_completion(served: LocalServer) -> None:
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [
-        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
-    ]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text
     assert finish == ["length"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
