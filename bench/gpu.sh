@@ -6,7 +6,10 @@
 #
 # Call sequence (from this machine, with the device tool's `run`), back to back:
 #   1. bash ../shared/gpu/prepare.sh              # once, here: wheels into .gpu/c00..c07
-#      plus .whl/ with pydantic-settings, python-dotenv, orjson for cp312 (see README)
+#      plus .whl/ (git-ignored) with what the GPU image lacks, for cp312:
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
+#        -d .whl pydantic-settings==2.11.0 python-dotenv==1.1.1 orjson==3.11.3 py-spy==0.4.1
 #   2. for each chunk: run(carry=[".gpu/cNN"], "mkdir -p /tmp/wh && mv .gpu/cNN/* /tmp/wh/")
 #   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")
 #   4. run("bash bench/gpu.sh servers")          # same warm machine: compile cache reused
