@@ -28,7 +28,7 @@ export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=b
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
 common=(--levels 1,16,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000
-        --clients 4 --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
+        --clients 4 --repeat 1 --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
 case "$stage" in
   raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;
   servers) python3 -m shared.bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
@@ -38,7 +38,7 @@ case "$stage" in
     python3 -m shared.serve --port 8400 > bench/gpu-results/profile-server.log 2>&1 &
     server=$!
     until curl -sf 127.0.0.1:8400/health > /dev/null; do sleep 2; done
-    load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4)
+    load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
     python3 -m shared.bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
     for level in 1 256; do
       /tmp/site/bin/py-spy record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
