@@ -34,6 +34,7 @@ from shared.loadgen import (
     Workload,
     engine_requester,
     http_requester,
+    load_client,
     run_level,
     run_level_in_processes,
     summarise,
@@ -67,9 +68,7 @@ async def bench_http(
     clients: int = 1,
     repeat: int = 1,
 ) -> list[dict]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(levels))
-    timeout = httpx.Timeout(30.0, read=600.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    async with load_client(url, max(levels)) as client:
         if clients <= 1:
             one = http_requester(client, workload, api_key)
             return await _levels(one, workload, levels, rounds, repeat)
@@ -274,8 +273,7 @@ async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]
         seed=7,
         model=workload.model,
     )
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60, read=900)) as c:
+    async with load_client(url, streams, read_timeout_s=900.0, connect_timeout_s=60.0) as c:
         one = http_requester(c, long)
         started = time.perf_counter()
         samples = await asyncio.gather(*(one(p) for p in long.prompts(streams)))

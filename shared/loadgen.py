@@ -106,6 +106,16 @@ async def _gather_limited(
     return list(await asyncio.gather(*(limited(p) for p in prompts)))
 
 
+def load_client(
+    url: str, connections: int, read_timeout_s: float = 600.0, connect_timeout_s: float = 30.0
+) -> httpx.AsyncClient:
+    """An HTTP client for load: no connection cap, `connections` kept alive, long reads."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=connections)
+    return httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=httpx.Timeout(connect_timeout_s, read=read_timeout_s)
+    )
+
+
 # --- over HTTP ----------------------------------------------------------------------------------
 def http_requester(
     client: httpx.AsyncClient, workload: Workload, api_key: str | None = None
@@ -250,9 +260,7 @@ async def _client_share(
 ) -> tuple[list[dict[str, Any]], float]:
     from dataclasses import asdict
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(30.0, read=600.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    async with load_client(url, concurrency) as client:
         one = http_requester(client, workload, api_key)
         # Open the connections before the clock starts, as the single-process path's warm-up
         # does: TCP set-up is not the server's time to first token.

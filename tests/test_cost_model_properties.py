@@ -8,19 +8,10 @@ from hypothesis import strategies as st
 from cost_model import billing
 from cost_model.billing import Overrides
 from cost_model.breakeven import crossings
-from cost_model.catalogue import BillingRules, PerSecondEntry, PerTokenEntry
+from cost_model.catalogue import BillingRules, PerTokenEntry
 from cost_model.service import ServiceProfile, ThroughputPoint
 from cost_model.workload import Arrival, Workload
-
-ENTRY = PerSecondEntry(
-    id="s",
-    platform="p",
-    kind="per_second",
-    gpu="X",
-    usd_per_second=0.001,
-    source="test",
-    read_on="2026-11-29",
-)
+from tests.test_cost_model import ENTRY  # one $0.001/s test GPU for both modules
 
 
 @st.composite
