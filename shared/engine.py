@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
@@ -50,7 +50,6 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     vocab_size: int = 0  # 0: unknown, token-id prompts are then checked by the engine alone
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(Protocol):
