@@ -13,7 +13,8 @@
 #   2. for each chunk: run(carry=[".gpu/cNN"], "mkdir -p /tmp/wh && mv .gpu/cNN/* /tmp/wh/")
 #   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")
 #   4. run("bash bench/gpu.sh servers")          # same warm machine: compile cache reused
-#   5. optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256
+#   5. optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
+#   6. optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256
 #      streams (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results: bench/gpu-results/bench.{json,md,png} on the device, copied to $OUT.
 set -euo pipefail
@@ -33,21 +34,28 @@ case "$stage" in
   raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;
   servers) python3 -m shared.bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
   all) python3 -m shared.bench suite "${common[@]}" ;;
+  ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
+    python3 -m shared.bench suite --levels 1 --rounds 32 --prompt-tokens 512 --output-tokens 64 \
+      --vocab 128000 --clients 1 --repeat 1 --capacity 0 --out bench/gpu-ttft \
+      --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
+    mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-ttft/bench.* "${OUT:-/tmp/out}/" ;;
   profile)
     mkdir -p bench/gpu-results
+    spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
+    [ -n "$spy" ] || { echo "py-spy not found: send .whl with its wheel (see the header)"; exit 2; }
     python3 -m shared.serve --port 8400 > bench/gpu-results/profile-server.log 2>&1 &
     server=$!
+    trap 'kill "$server" 2> /dev/null || true' EXIT  # never leave a server holding the GPU
     until curl -sf 127.0.0.1:8400/health > /dev/null; do sleep 2; done
     load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
     python3 -m shared.bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
     for level in 1 256; do
-      /tmp/site/bin/py-spy record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
-      spy=$!
+      "$spy" record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
+      recorder=$!
       python3 -m shared.bench http "${load[@]}" --levels $level --rounds 2
-      wait "$spy" || true
-      python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15
+      wait "$recorder" || true
+      python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15 || true
     done
-    kill "$server"
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
 esac
 mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-results/bench.* bench/gpu-results/*.log "${OUT:-/tmp/out}/" 2>/dev/null || true

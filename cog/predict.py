@@ -53,7 +53,7 @@ class Runner(BaseRunner):
 
     def healthcheck(self) -> bool:
         # coglet 0.23.1 calls this from a thread pool for GET /health-check; False -> UNHEALTHY.
-        return bridge.engine_healthy(self.service, self.loop)
+        return bridge.engine_healthy(self.service)
 
     @cog.streaming
     @cog.concurrent(max=32)  # a literal: `cog build` reads it from the source; = cog.yaml's

@@ -71,7 +71,8 @@ def create_app(
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        await _service(request).engine.check_health()
+        if not _service(request).engine.healthy():
+            raise EngineUnavailable("the engine is not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -14,14 +14,16 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import multiprocessing
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from typing import Any
 import httpx
 import orjson
 
-from shared.engine import engine_args
+from shared.engine import engine_args, scheduler_limits, start_llm, stop_llm
 from shared.loadgen import (
     Workload,
     engine_requester,
@@ -47,16 +49,19 @@ TARGETS = ("raw", "bundle", "vllm_server")
 # --- one target each ------------------------------------------------------------------------------
 async def bench_raw(
     settings: Settings, workload: Workload, levels: list[int], rounds: int, repeat: int = 1
-) -> list[dict]:
-    from vllm.platforms import current_platform
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    llm = AsyncLLM.from_engine_args(engine_args(settings, on_cpu=current_platform.is_cpu()))
+) -> dict[str, Any]:
+    """The floor: the same engine the bundle builds, driven in-process with no server."""
+    llm = start_llm(settings)
     try:
         one = engine_requester(llm, workload)
-        return await _levels(one, workload, levels, rounds, repeat)
+        return {
+            # process_time: this process's CPU, where vLLM's client side (output handling,
+            # detokenizing) runs as it does in a server's API process, minus HTTP.
+            "levels": await _levels(one, workload, levels, rounds, repeat, time.process_time),
+            "max_num_batched_tokens": scheduler_limits(llm)["max_num_batched_tokens"],
+        }
     finally:
-        llm.shutdown()
+        stop_llm(llm)
 
 
 async def bench_http(
@@ -67,35 +72,65 @@ async def bench_http(
     api_key: str | None = None,
     clients: int = 1,
     repeat: int = 1,
+    server_cpu: CpuClock | None = None,
 ) -> list[dict]:
     async with load_client(url, max(levels)) as client:
         if clients <= 1:
             one = http_requester(client, workload, api_key)
-            return await _levels(one, workload, levels, rounds, repeat)
+            return await _levels(one, workload, levels, rounds, repeat, server_cpu)
         await run_level(http_requester(client, workload, api_key), workload.prompts(4), 4)
     spawn = multiprocessing.get_context("spawn")
     results = []
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
         for level in levels:
             prompts = workload.prompts(requests_per_level(level, rounds))
-            runs = [
-                run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
-                for _ in range(repeat)
-            ]
+            runs = []
+            for _ in range(repeat):
+                before = server_cpu() if server_cpu else 0.0
+                run = run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+                runs.append(_with_cpu(run, server_cpu, before))
             results.append(median_run(runs))
             print(_line(results[-1]), flush=True)
     return results
 
 
-async def _levels(one: Any, workload: Workload, levels: list[int], rounds: int, repeat: int = 1) -> list[dict]:
+async def _levels(
+    one: Any,
+    workload: Workload,
+    levels: list[int],
+    rounds: int,
+    repeat: int = 1,
+    serving_cpu: CpuClock | None = None,
+) -> list[dict]:
     await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches, connections
     results = []
     for level in levels:
         prompts = workload.prompts(requests_per_level(level, rounds))
-        runs = [await run_level(one, prompts, level) for _ in range(repeat)]
+        runs = []
+        for _ in range(repeat):
+            before = serving_cpu() if serving_cpu else 0.0
+            runs.append(_with_cpu(await run_level(one, prompts, level), serving_cpu, before))
         results.append(median_run(runs))
         print(_line(results[-1]), flush=True)
     return results
+
+
+# CPU seconds used so far by the process that serves (the API process; for raw, the bench).
+# CPU time per token is the serving layer's cost that survives a noisy machine: wall-clock
+# figures on two shared cores move with whoever got the CPU, CPU seconds far less.
+CpuClock = Callable[[], float]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_cpu(run: dict, clock: CpuClock | None, before: float) -> dict:
+    if clock is not None and run["output_tokens"]:
+        run["serving_cpu_ms_per_token"] = 1000 * (clock() - before) / run["output_tokens"]
+    return run
 
 
 MIN_REQUESTS_PER_LEVEL = 16  # low levels would otherwise time a handful of requests: noise
@@ -115,11 +150,12 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def _line(level: dict) -> str:
+    cpu = level.get("serving_cpu_ms_per_token")
     return (
         f"  c={level['concurrency']:>4}  {level['output_tokens_per_s']:>9.1f} tok/s  "
         f"TTFT p50 {level['ttft_s']['p50'] * 1000:7.1f} ms  ITL p50/p99 "
         f"{level['itl_s']['p50'] * 1000:.2f}/{level['itl_s']['p99'] * 1000:.2f} ms  "
-        f"errors {level['errors']}"
+        f"errors {level['errors']}" + (f"  serving CPU {cpu:.3f} ms/token" if cpu is not None else "")
     )
 
 
@@ -134,9 +170,11 @@ def free_port() -> int:
 def running_server(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[int]:
     """Start a server, wait for /health, yield its pid, and always stop it."""
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        # Its own process group (so the engine's children die with it) but NOT its own session:
+        # with the kernel's autogroup scheduling (on by default) a new session is a new CPU
+        # group, and inside it vLLM's spinning CPU-engine processes starve the API process,
+        # which then sends whole responses at once (measured; see README, Performance).
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
         try:
             _wait_healthy(port, process, timeout_s=900)
             yield process.pid
@@ -198,7 +236,16 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
         command.append("--enforce-eager")
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
+    if args.max_num_batched_tokens:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return command
+
+
+def logged_batch_tokens(log: Path) -> int | None:
+    """The prefill budget a server's engine resolved, from vLLM's own start-up log line: the
+    proof that every target ran the same scheduler, whoever picked the default."""
+    found = re.search(r"max_num_batched_tokens'?[=:] ?(\d+)", log.read_text(errors="replace"))
+    return int(found.group(1)) if found else None
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -231,18 +278,25 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         if target == "raw":
             raw_run = bench_raw(settings, workload, levels, args.rounds, args.repeat)
-            results[target] = {"levels": asyncio.run(raw_run)}
+            results[target] = asyncio.run(raw_run)
         else:
             port = free_port()
             command = bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
             with running_server(command, port, out / f"{target}.log", env) as pid:
                 url = f"http://127.0.0.1:{port}"
                 levels_run = bench_http(
-                    url, workload, levels, args.rounds, clients=args.clients, repeat=args.repeat
+                    url,
+                    workload,
+                    levels,
+                    args.rounds,
+                    clients=args.clients,
+                    repeat=args.repeat,
+                    server_cpu=functools.partial(process_cpu_s, pid),
                 )
                 results[target] = {
                     "levels": asyncio.run(levels_run),
                     "client_processes": args.clients,
+                    "max_num_batched_tokens": logged_batch_tokens(out / f"{target}.log"),
                 }
                 if target == "bundle" and args.capacity:
                     results[target]["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
@@ -303,11 +357,19 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {level} | " + " | ".join(cells) + f" | {_ratio(by_level, level, 'raw')} | "
             f"{_ratio(by_level, level, 'vllm_server')} |"
         )
+    rows += _cpu_table(by_level, names, levels)
     footer = [
         f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
         f"{report['workload']['prompt_tokens']} prompt tokens, "
         f"{report['workload']['output_tokens']} output tokens (ignore_eos), temperature 0."
     ]
+    budgets = {t: targets[t].get("max_num_batched_tokens") for t in names}
+    if any(budgets.values()):
+        footer.append(
+            "Engine prefill budget (max_num_batched_tokens): "
+            + ", ".join(f"{t} {b if b is not None else 'not logged'}" for t, b in budgets.items())
+            + "."
+        )
     cap = targets.get("bundle", {}).get("capacity")
     if cap:
         footer.append(
@@ -316,6 +378,22 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"server peak RSS {cap.get('server_peak_rss_mib', 0):.0f} MiB."
         )
     return "\n".join(rows + footer) + "\n"
+
+
+def _cpu_table(by_level: dict, names: list[str], levels: list[int]) -> list[str]:
+    """CPU ms per output token of each target's serving process, where it was measured."""
+    measured = [t for t in names if any("serving_cpu_ms_per_token" in lv for lv in by_level[t].values())]
+    if not measured:
+        return []
+    rows = [
+        "\nCPU time of the serving process per output token, ms (raw: the benchmark process itself):\n",
+        "| concurrency | " + " | ".join(measured) + " |",
+        "|" + "---|" * (len(measured) + 1),
+    ]
+    for level in levels:
+        cells = [by_level[t].get(level, {}).get("serving_cpu_ms_per_token") for t in measured]
+        rows.append(f"| {level} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return rows
 
 
 def _cell(level: dict | None) -> str:

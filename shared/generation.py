@@ -28,7 +28,7 @@ class Generation:
         self,
         *,
         request_id: str | None,
-        fingerprint: str,
+        fingerprint: str | None,
         encoder: ChunkEncoder,
         stream: bool,
         include_usage: bool,
@@ -36,7 +36,7 @@ class Generation:
         max_events: int,
     ) -> None:
         self.request_id = request_id  # the client's X-Request-Id; None: anonymous, not resumable
-        self.fingerprint = fingerprint
+        self.fingerprint = fingerprint  # of the request body; None when request_id is None
         self.encoder = encoder
         self.stream = stream
         self.include_usage = include_usage

@@ -55,8 +55,10 @@ class Service:
         event ids would splice two different texts together.
         """
         self._check_model(body.model)
-        fingerprint = _fingerprint(kind, body)
+        fingerprint = None
         if request_id is not None:
+            # Only a named request can be matched again, so only a named one pays for this.
+            fingerprint = _fingerprint(kind, body)
             existing = self.registry.find(request_id, fingerprint)
             if existing is not None:
                 self.metrics.replayed_requests.inc()
