@@ -16,7 +16,8 @@
 #   5. optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   6. optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256
 #      streams (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
-# Results: bench/gpu-results/bench.{json,md,png} on the device, copied to $OUT.
+# Results: bench/gpu-results/bench.{json,md,png} (ttft1: bench/gpu-results/ttft1/) on the
+# device, copied to $OUT.
 set -euo pipefail
 stage=${1:-all}
 if [ ! -d /tmp/site/vllm ]; then
@@ -36,17 +37,21 @@ case "$stage" in
   all) python3 -m shared.bench suite "${common[@]}" ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
     python3 -m shared.bench suite --levels 1 --rounds 32 --prompt-tokens 512 --output-tokens 64 \
-      --vocab 128000 --clients 1 --repeat 1 --capacity 0 --out bench/gpu-ttft \
+      --vocab 128000 --clients 1 --repeat 1 --capacity 0 --out bench/gpu-results/ttft1 \
       --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
-    mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-ttft/bench.* "${OUT:-/tmp/out}/" ;;
+    mkdir -p "${OUT:-/tmp/out}/ttft1" && cp bench/gpu-results/ttft1/bench.* "${OUT:-/tmp/out}/ttft1/"
+    exit 0 ;;
   profile)
     mkdir -p bench/gpu-results
     spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
     [ -n "$spy" ] || { echo "py-spy not found: send .whl with its wheel (see the header)"; exit 2; }
     python3 -m shared.serve --port 8400 > bench/gpu-results/profile-server.log 2>&1 &
     server=$!
-    trap 'kill "$server" 2> /dev/null || true' EXIT  # never leave a server holding the GPU
-    until curl -sf 127.0.0.1:8400/health > /dev/null; do sleep 2; done
+    trap 'kill "$server" 2> /dev/null || true' EXIT INT TERM  # never leave it holding the GPU
+    until curl -sf 127.0.0.1:8400/health > /dev/null; do
+      kill -0 "$server" || { echo "the server died at start-up"; exit 1; }
+      sleep 2
+    done
     load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
     python3 -m shared.bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
     for level in 1 256; do
@@ -56,6 +61,7 @@ case "$stage" in
       wait "$recorder" || true
       python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15 || true
     done
+    kill "$server" && wait "$server" || true
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
 esac
 mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-results/bench.* bench/gpu-results/*.log "${OUT:-/tmp/out}/" 2>/dev/null || true

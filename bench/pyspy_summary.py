@@ -1,6 +1,6 @@
 """Summarise a py-spy raw (collapsed-stack) profile: self and inclusive share per function.
 
-    python bench/pyspy_summary.py profile.txt [--top 25]
+python bench/pyspy_summary.py profile.txt [--top 25]
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import httpx
 import orjson
 
-from shared.engine import engine_args, scheduler_limits, start_llm, stop_llm
+from shared.engine import batch_token_budget, engine_args, start_llm, stop_llm
 from shared.loadgen import (
     Workload,
     engine_requester,
@@ -44,6 +44,11 @@ from shared.loadgen import (
 from shared.settings import Settings
 
 TARGETS = ("raw", "bundle", "vllm_server")
+
+# CPU seconds used so far by the process that serves (the API process; for raw, the bench).
+# CPU time per token is the serving layer's cost that survives a noisy machine: wall-clock
+# figures on two shared cores move with whoever got the CPU, CPU seconds far less.
+CpuClock: TypeAlias = Callable[[], float]
 
 
 # --- one target each ------------------------------------------------------------------------------
@@ -58,7 +63,7 @@ async def bench_raw(
             # process_time: this process's CPU, where vLLM's client side (output handling,
             # detokenizing) runs as it does in a server's API process, minus HTTP.
             "levels": await _levels(one, workload, levels, rounds, repeat, time.process_time),
-            "max_num_batched_tokens": scheduler_limits(llm)["max_num_batched_tokens"],
+            "max_num_batched_tokens": batch_token_budget(llm),
         }
     finally:
         stop_llm(llm)
@@ -115,16 +120,16 @@ async def _levels(
     return results
 
 
-# CPU seconds used so far by the process that serves (the API process; for raw, the bench).
-# CPU time per token is the serving layer's cost that survives a noisy machine: wall-clock
-# figures on two shared cores move with whoever got the CPU, CPU seconds far less.
-CpuClock = Callable[[], float]
-
-
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of every live thread of `pid`, from the scheduler's nanosecond
+    counters (/proc/<pid>/task/*/schedstat); /proc/<pid>/stat counts 10 ms ticks, too coarse for
+    a level of a thousand tokens. A thread that exits between two readings takes its time with
+    it; servers keep theirs for life."""
+    total_ns = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError):  # the thread ended while we listed
+            total_ns += int(schedstat.read_text().split()[0])
+    return total_ns / 1e9
 
 
 def _with_cpu(run: dict, clock: CpuClock | None, before: float) -> dict:
@@ -146,6 +151,8 @@ def median_run(runs: list[dict]) -> dict:
     ordered = sorted(runs, key=lambda run: run["output_tokens_per_s"])
     chosen = dict(ordered[len(ordered) // 2])
     chosen["runs_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs]
+    if all("serving_cpu_ms_per_token" in run for run in runs):
+        chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
     return chosen
 
 
@@ -174,17 +181,25 @@ def running_server(command: list[str], port: int, log: Path, env: dict[str, str]
         # with the kernel's autogroup scheduling (on by default) a new session is a new CPU
         # group, and inside it vLLM's spinning CPU-engine processes starve the API process,
         # which then sends whole responses at once (measured; see README, Performance).
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
+        )
         try:
             _wait_healthy(port, process, timeout_s=900)
             yield process.pid
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, 15)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the server's group, then SIGKILL whatever of it is left (an engine child can
+    outlive a leader that exited)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 15)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 9)
 
 
 def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:

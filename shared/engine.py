@@ -211,7 +211,13 @@ def start_llm(settings: Settings) -> Any:
     log.info("starting vLLM with model %s", args.model)
     llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
     freeze_startup_heap()
+    _live_engines.append(llm)
     return llm
+
+
+# Engines started and not yet stopped in this process. The frozen heap is process-wide, so it
+# is handed back only when the last one stops (tests run several engines in one process).
+_live_engines: list[Any] = []
 
 
 def freeze_startup_heap() -> None:
@@ -228,19 +234,20 @@ def freeze_startup_heap() -> None:
 
 
 def stop_llm(llm: Any) -> None:
-    """Shut the engine down and hand the frozen heap back to the collector, so that objects
-    with native finalizers are released normally at exit instead of being reported leaked."""
-    llm.shutdown()
-    gc.unfreeze()
+    """Shut the engine down; after the last one, hand the frozen heap back to the collector,
+    so that objects with native finalizers are released at exit instead of reported leaked."""
+    try:
+        llm.shutdown()
+    finally:
+        if llm in _live_engines:
+            _live_engines.remove(llm)
+        if not _live_engines:
+            gc.unfreeze()
 
 
-def scheduler_limits(llm: Any) -> dict[str, int]:
-    """The batch limits the engine actually runs with (defaults resolved)."""
-    scheduler = llm.vllm_config.scheduler_config
-    return {
-        "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
-        "max_num_seqs": int(scheduler.max_num_seqs),
-    }
+def batch_token_budget(llm: Any) -> int:
+    """The prefill budget per step the engine actually runs with (defaults resolved)."""
+    return int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 @asynccontextmanager

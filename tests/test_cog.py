@@ -182,6 +182,7 @@ def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
             [sys.executable, "-m", "cog.server.http", "--host", "127.0.0.1"],
             cwd=ROOT,
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             # A process group to kill, not a new session: a session is its own CPU group under
