@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -59,10 +59,13 @@ async def bench_raw(
     llm = start_llm(settings)
     try:
         one = engine_requester(llm, workload)
+        await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches
         return {
             # process_time: this process's CPU, where vLLM's client side (output handling,
             # detokenizing) runs as it does in a server's API process, minus HTTP.
-            "levels": await _levels(one, workload, levels, rounds, repeat, time.process_time),
+            "levels": await _levels(
+                functools.partial(run_level, one), workload, levels, rounds, repeat, time.process_time
+            ),
             "max_num_batched_tokens": batch_token_budget(llm),
         }
     finally:
@@ -80,41 +83,40 @@ async def bench_http(
     server_cpu: CpuClock | None = None,
 ) -> list[dict]:
     async with load_client(url, max(levels)) as client:
+        one = http_requester(client, workload, api_key)
+        await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches, connections
         if clients <= 1:
-            one = http_requester(client, workload, api_key)
-            return await _levels(one, workload, levels, rounds, repeat, server_cpu)
-        await run_level(http_requester(client, workload, api_key), workload.prompts(4), 4)
+            in_process = functools.partial(run_level, one)
+            return await _levels(in_process, workload, levels, rounds, repeat, server_cpu)
     spawn = multiprocessing.get_context("spawn")
-    results = []
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
-        for level in levels:
-            prompts = workload.prompts(requests_per_level(level, rounds))
-            runs = []
-            for _ in range(repeat):
-                before = server_cpu() if server_cpu else 0.0
-                run = run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
-                runs.append(_with_cpu(run, server_cpu, before))
-            results.append(median_run(runs))
-            print(_line(results[-1]), flush=True)
-    return results
+
+        async def in_processes(prompts: list[list[int]], level: int) -> dict[str, Any]:
+            return run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+
+        return await _levels(in_processes, workload, levels, rounds, repeat, server_cpu)
+
+
+# Runs one level: (prompts, concurrency) -> its summary.
+LevelRunner: TypeAlias = Callable[[list[list[int]], int], Awaitable[dict[str, Any]]]
 
 
 async def _levels(
-    one: Any,
+    run: LevelRunner,
     workload: Workload,
     levels: list[int],
     rounds: int,
     repeat: int = 1,
     serving_cpu: CpuClock | None = None,
 ) -> list[dict]:
-    await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches, connections
+    """Each level `repeat` times, the median run kept, with the serving process's CPU per token."""
     results = []
     for level in levels:
         prompts = workload.prompts(requests_per_level(level, rounds))
         runs = []
         for _ in range(repeat):
             before = serving_cpu() if serving_cpu else 0.0
-            runs.append(_with_cpu(await run_level(one, prompts, level), serving_cpu, before))
+            runs.append(_with_cpu(await run(prompts, level), serving_cpu, before))
         results.append(median_run(runs))
         print(_line(results[-1]), flush=True)
     return results
