@@ -36,10 +36,12 @@ no engine left to stop; Modal commits the volumes itself after it.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import modal
 
+from modal_app.settings import ModalSettings
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -58,27 +60,27 @@ MODEL_REVISION = "12fd6884d2585dd4d020373e7f39f74507b31866"
 # handed to the container (see `CONTAINER_ENV`), where this module is imported again and
 # rebuilds the same settings, so the decorators and the engine can never disagree.
 SETTINGS = Settings().with_default_model(MODEL, MODEL_REVISION)
+MODAL = ModalSettings()
 
 # One container accepts up to max_inputs streams and the autoscaler aims for target_inputs
 # each; both default from the engine's max_num_seqs (the reasoning is in
-# `Settings.modal_concurrency`). Continuous batching only pays when streams share the GPU.
-MAX_INPUTS, TARGET_INPUTS = SETTINGS.modal_concurrency()
+# `ModalSettings.concurrency`). Continuous batching only pays when streams share the GPU.
+MAX_INPUTS, TARGET_INPUTS = MODAL.concurrency(SETTINGS.max_num_seqs)
 
-# --- The image ------------------------------------------------------------------------------
-# The GPU build of vLLM, pinned; the core's own dependencies pinned to the versions its test
-# suite runs with (vLLM already pulls most of them; pinning keeps rebuilds reproducible).
+# --- The image ---------------------------------------------------------------------------------
+# The GPU build of vLLM and the core's dependencies, pinned in one file that cog.yaml installs
+# too (tests/test_pins.py checks pyproject.toml against it). One Python for both images.
 PYTHON_VERSION = "3.12"
-PACKAGES = (
-    "vllm==0.33.0",
-    "fastapi==0.136.3",
-    "pydantic==2.14.4",
-    "pydantic-settings==2.16.3",
-    "httpx==0.28.1",
-    "uvicorn==0.54.0",
-    "prometheus-client==0.26.0",
-    "orjson==3.13.0",
-    "rich==15.0.0",
-)
+PINS_FILE = Path(__file__).resolve().parents[1] / "shared" / "requirements-deploy.txt"
+
+
+def read_pins(path: Path = PINS_FILE) -> tuple[str, ...]:
+    """The `name==version` lines of a requirements file, comments and blanks dropped."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return tuple(line for line in lines if line)
+
+
+PACKAGES = read_pins()
 image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
     .uv_pip_install(*PACKAGES)
@@ -100,40 +102,41 @@ vllm_cache = modal.Volume.from_name("vllm-cache", create_if_missing=True)
 # cache locations. Modal passes `env=` as a secret, so changing a setting rebuilds no image.
 CONTAINER_ENV: dict[str, str | None] = {
     **SETTINGS.deploy_env(),
+    **MODAL.deploy_env(),
     "HF_HOME": HF_CACHE_DIR,
     "VLLM_CACHE_ROOT": VLLM_CACHE_DIR,
     "BUNDLE_CACHE_DIR": f"{HF_CACHE_DIR}/vllm-serverless-bundle",
 }
 
 
-def _secrets(settings: Settings) -> list[modal.Secret]:
+def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Secret]:
     """The API key travels as a Modal Secret: a named one (holding BUNDLE_API_KEY, and HF_TOKEN
     for gated models), or, if only BUNDLE_API_KEY is set locally, one made from it at deploy."""
-    if settings.modal_secret_name:
-        return [modal.Secret.from_name(settings.modal_secret_name)]
+    if modal_settings.secret_name:
+        return [modal.Secret.from_name(modal_settings.secret_name)]
     if settings.api_key is not None:
         return [modal.Secret.from_dict({"BUNDLE_API_KEY": settings.api_key.get_secret_value()})]
     return []
 
 
-app = modal.App(SETTINGS.modal_app_name)
+app = modal.App(MODAL.app_name)
 
 
 # --- The server -------------------------------------------------------------------------------
 @app.cls(
     image=image,
-    gpu=SETTINGS.modal_gpu,  # "H100", "L40S", "A100-80GB"; "H100:2" with tensor_parallel_size 2
+    gpu=MODAL.gpu,  # "H100", "L40S", "A100-80GB"; "H100:2" with tensor_parallel_size 2
     volumes={HF_CACHE_DIR: hf_cache, VLLM_CACHE_DIR: vllm_cache},
     env=CONTAINER_ENV,
-    secrets=_secrets(SETTINGS),
+    secrets=_secrets(SETTINGS, MODAL),
     # Idle seconds before a container stops: billed idle time against fewer cold starts.
-    scaledown_window=SETTINGS.modal_scaledown_window_s,
+    scaledown_window=MODAL.scaledown_window_s,
     # Longest single request (one HTTP request is one Modal input): bounds the longest stream.
-    timeout=SETTINGS.modal_timeout_s,
+    timeout=MODAL.timeout_s,
     # Cold start budget: weight download on a fresh volume, load, compile, CUDA graphs.
-    startup_timeout=SETTINGS.modal_startup_timeout_s,
-    min_containers=SETTINGS.modal_min_containers,
-    max_containers=SETTINGS.modal_max_containers,
+    startup_timeout=MODAL.startup_timeout_s,
+    min_containers=MODAL.min_containers,
+    max_containers=MODAL.max_containers,
 )
 @modal.concurrent(max_inputs=MAX_INPUTS, target_inputs=TARGET_INPUTS)
 class Server:
@@ -145,7 +148,7 @@ class Server:
 
         self.api = create_app(SETTINGS)
 
-    @modal.asgi_app(requires_proxy_auth=SETTINGS.modal_requires_proxy_auth)
+    @modal.asgi_app(requires_proxy_auth=MODAL.requires_proxy_auth)
     def web(self) -> FastAPI:
         return self.api
 
@@ -168,6 +171,6 @@ def smoke(prompt: str = "", max_tokens: int = 128) -> None:
     if url is None:
         raise RuntimeError("Modal gave the web endpoint no URL")
     print(f"serving {SETTINGS.model_name} at {url}")
-    result = asyncio.run(run_smoke(url, SETTINGS, prompt=prompt or SMOKE_PROMPT, max_tokens=max_tokens))
+    result = asyncio.run(run_smoke(url, SETTINGS, MODAL, prompt=prompt or SMOKE_PROMPT, max_tokens=max_tokens))
     print(result.text)
     print(result.summary())

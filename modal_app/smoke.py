@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from shared.client import ResumableClient
+from modal_app.settings import ModalSettings
 from shared.settings import Settings
 
 SMOKE_PROMPT = "In three sentences, why does continuous batching make GPU inference cheaper?"
@@ -41,19 +42,19 @@ class SmokeResult:
         )
 
 
-def auth_headers(settings: Settings) -> dict[str, str]:
+def auth_headers(settings: Settings, modal_settings: ModalSettings) -> dict[str, str]:
     """The bundle's bearer key, plus Modal's proxy-auth pair when the endpoint requires it."""
     headers: dict[str, str] = {}
     if settings.api_key is not None:
         headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
-    if settings.modal_requires_proxy_auth:
-        if settings.modal_proxy_key is None or settings.modal_proxy_secret is None:
+    if modal_settings.requires_proxy_auth:
+        if modal_settings.proxy_key is None or modal_settings.proxy_secret is None:
             raise ValueError(
                 "the endpoint requires Modal proxy auth: set BUNDLE_MODAL_PROXY_KEY and "
                 "BUNDLE_MODAL_PROXY_SECRET to a proxy auth token (modal.com > Settings)"
             )
-        headers["Modal-Key"] = settings.modal_proxy_key
-        headers["Modal-Secret"] = settings.modal_proxy_secret.get_secret_value()
+        headers["Modal-Key"] = modal_settings.proxy_key
+        headers["Modal-Secret"] = modal_settings.proxy_secret.get_secret_value()
     return headers
 
 
@@ -76,6 +77,7 @@ async def wait_healthy(http: httpx.AsyncClient, timeout_s: float) -> None:
 async def run_smoke(
     base_url: str,
     settings: Settings,
+    modal_settings: ModalSettings | None = None,
     *,
     prompt: str = SMOKE_PROMPT,
     max_tokens: int = 128,
@@ -84,11 +86,11 @@ async def run_smoke(
     """Check /health, then stream one chat completion and time it."""
     # Redirects are followed: past Modal's 150 s web limit a waiting request gets a 303 to its
     # result URL (a cold start that downloads weights can take that long on /health).
-    timeout = httpx.Timeout(30.0, read=float(settings.modal_startup_timeout_s))
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=auth_headers(settings), timeout=timeout, follow_redirects=True
-    ) as http:
-        await wait_healthy(http, health_timeout_s or settings.modal_startup_timeout_s)
+    modal_settings = modal_settings or ModalSettings()
+    timeout = httpx.Timeout(30.0, read=float(modal_settings.startup_timeout_s))
+    headers = auth_headers(settings, modal_settings)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, follow_redirects=True) as http:
+        await wait_healthy(http, health_timeout_s or modal_settings.startup_timeout_s)
         async with ResumableClient(base_url, http=http) as client:
             return await _timed_stream(client, settings.model_name, prompt, max_tokens)
 

@@ -103,25 +103,6 @@ class Settings(BaseSettings):
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
 
-    # --- deploy targets (read by modal_app/ and cog/) ----------------------------------------
-    modal_app_name: str = "vllm-serverless-bundle"
-    modal_gpu: str = "H100"
-    modal_scaledown_window_s: int = Field(300, ge=2)
-    modal_timeout_s: int = Field(3600, ge=10)
-    modal_startup_timeout_s: int = Field(1200, ge=10)
-    modal_min_containers: int = Field(0, ge=0)
-    modal_max_containers: int | None = Field(None, ge=1)
-    modal_max_inputs: int | None = Field(None, ge=1, description="Unset: max_num_seqs.")
-    modal_target_inputs: int | None = Field(None, ge=1, description="Unset: half of max inputs.")
-    modal_secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")
-    modal_requires_proxy_auth: bool = False
-    modal_proxy_key: str | None = Field(
-        None, description="Modal-Key header the smoke test sends when proxy auth is on."
-    )
-    modal_proxy_secret: SecretStr | None = Field(
-        None, description="Modal-Secret header the smoke test sends when proxy auth is on."
-    )
-
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
@@ -137,22 +118,6 @@ class Settings(BaseSettings):
     @property
     def uses_tiny_model(self) -> bool:
         return self.model == TINY_MODEL
-
-    # --- deploy targets: derived values (read by modal_app/ and cog/) ------------------------
-    def modal_concurrency(self) -> tuple[int, int]:
-        """`(max_inputs, target_inputs)` for `@modal.concurrent`.
-
-        max_inputs defaults to `max_num_seqs`: the engine batches at most that many sequences
-        per step, so a container that accepted more would only queue them inside vLLM while
-        another container could be serving them. target_inputs defaults to half of that: Modal's
-        autoscaler starts a new container once the average passes the target, so the running
-        one keeps headroom for the burst that arrives during the new one's cold start.
-        """
-        max_inputs = self.modal_max_inputs or self.max_num_seqs
-        target = self.modal_target_inputs or max(1, max_inputs // 2)
-        if target > max_inputs:
-            raise ValueError(f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})")
-        return max_inputs, target
 
     def with_default_model(self, model: str, revision: str | None) -> Settings:
         """These settings, serving `model` at `revision` unless BUNDLE_MODEL was given.

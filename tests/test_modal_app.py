@@ -21,6 +21,7 @@ import openai
 import pytest
 import uvicorn
 
+from modal_app.settings import ModalSettings
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,13 +70,13 @@ def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
         BUNDLE_MODAL_STARTUP_TIMEOUT_S="600",
         BUNDLE_MODAL_REQUIRES_PROXY_AUTH="true",
     )
-    settings = Settings()
+    settings = ModalSettings()
     info = module.Server._get_class_service_function().info()
 
-    assert info.gpus == [(settings.modal_gpu, 1)] == [("L40S", 1)]
-    assert info.timeout == settings.modal_timeout_s == 900
-    assert info.startup_timeout == settings.modal_startup_timeout_s == 600
-    max_inputs, target_inputs = settings.modal_concurrency()
+    assert info.gpus == [(settings.gpu, 1)] == [("L40S", 1)]
+    assert info.timeout == settings.timeout_s == 900
+    assert info.startup_timeout == settings.startup_timeout_s == 600
+    max_inputs, target_inputs = settings.concurrency(Settings().max_num_seqs)
     assert (
         (info.concurrency_info.max_inputs, info.concurrency_info.target_inputs)
         == (
@@ -92,12 +93,12 @@ def test_concurrency_overrides_and_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     module = load_modal_app(monkeypatch, BUNDLE_MODAL_MAX_INPUTS="100", BUNDLE_MODAL_TARGET_INPUTS="80")
     concurrency = module.Server._get_class_service_function().info().concurrency_info
     assert (concurrency.max_inputs, concurrency.target_inputs) == (100, 80)
-    assert Settings().modal_concurrency() == (100, 80)
-    unset = {"modal_max_inputs": None, "modal_target_inputs": None}
-    assert Settings(max_num_seqs=1, **unset).modal_concurrency() == (1, 1)
-    assert Settings(max_num_seqs=7, **unset).modal_concurrency() == (7, 3)
+    assert ModalSettings().concurrency(256) == (100, 80)
+    unset = ModalSettings(max_inputs=None, target_inputs=None)
+    assert unset.concurrency(max_num_seqs=1) == (1, 1)
+    assert unset.concurrency(max_num_seqs=7) == (7, 3)
     with pytest.raises(ValueError, match="TARGET_INPUTS"):
-        Settings(modal_max_inputs=4, modal_target_inputs=5).modal_concurrency()
+        ModalSettings(max_inputs=4, target_inputs=5).concurrency(256)
 
 
 def test_the_container_rebuilds_the_deploy_settings(monkeypatch: pytest.MonkeyPatch) -> None:

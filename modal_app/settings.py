@@ -1,0 +1,63 @@
+"""Modal-only settings: `BUNDLE_MODAL_*` variables, read by `modal_app/` and nothing else.
+
+They live beside the Modal app, not in the core's `Settings`, because only the deploy reads
+them: the serving core never needs to know which GPU Modal gave it. The variable names are the
+same as before they moved, so existing deploy commands keep working.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ModalSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BUNDLE_MODAL_", extra="ignore", frozen=True)
+
+    app_name: str = "vllm-serverless-bundle"
+    gpu: str = "H100"
+    scaledown_window_s: int = Field(300, ge=2)
+    timeout_s: int = Field(3600, ge=10)
+    startup_timeout_s: int = Field(1200, ge=10)
+    min_containers: int = Field(0, ge=0)
+    max_containers: int | None = Field(None, ge=1)
+    max_inputs: int | None = Field(None, ge=1, description="Unset: the engine's max_num_seqs.")
+    target_inputs: int | None = Field(None, ge=1, description="Unset: half of max inputs.")
+    secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")
+    requires_proxy_auth: bool = False
+    proxy_key: str | None = Field(None, description="Modal-Key header the smoke test sends.")
+    proxy_secret: SecretStr | None = Field(None, description="Modal-Secret header the smoke test sends.")
+    snapshot: bool = Field(
+        True,
+        description="GPU memory snapshots: start, warm up and put the engine to sleep before the "
+        "snapshot, wake it after each restore.",
+    )
+
+    def concurrency(self, max_num_seqs: int) -> tuple[int, int]:
+        """`(max_inputs, target_inputs)` for `@modal.concurrent`.
+
+        max_inputs defaults to the engine's `max_num_seqs`: the engine batches at most that many
+        sequences per step, so a container that accepted more would only queue them inside vLLM
+        while another container could be serving them. target_inputs defaults to half of that:
+        Modal's autoscaler starts a new container once the average passes the target, so the
+        running one keeps headroom for the burst that arrives during the new one's cold start.
+        """
+        max_inputs = self.max_inputs or max_num_seqs
+        target = self.target_inputs or max(1, max_inputs // 2)
+        if target > max_inputs:
+            raise ValueError(f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})")
+        return max_inputs, target
+
+    def deploy_env(self) -> dict[str, str]:
+        """The BUNDLE_MODAL_* variables given explicitly, so the container rebuilds the same
+        decorator values when it imports the app again (secrets never travel this way)."""
+        env: dict[str, str] = {}
+        for name in sorted(self.model_fields_set):
+            value = getattr(self, name)
+            if value is None or isinstance(value, SecretStr):
+                continue
+            rendered = json.dumps(value) if isinstance(value, bool) else str(value)
+            env[f"BUNDLE_MODAL_{name.upper()}"] = rendered
+        return env
