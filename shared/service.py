@@ -1,6 +1,8 @@
-"""The bundle's request handling, free of HTTP: validate, look up identity, admit, generate.
+"""The one door of the core, free of HTTP: open a generation, cancel one by id, health.
 
-`api.py` translates HTTP to these calls; wrappers (Modal, Cog) reuse the same object.
+`api.py` translates HTTP to these calls and the Cog bridge translates Cog's; neither touches the
+registry or a generation's lifecycle. `open` validates, looks up the identity, admits (or
+attaches, or resumes) and returns a `Subscription` to follow.
 """
 
 from __future__ import annotations
@@ -8,20 +10,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
+from collections.abc import Callable
 
 import orjson
 
 from shared.engine import Engine, SamplingRequest
 from shared.errors import EventsGone, InvalidRequest, ModelNotFound
-from shared.generation import Generation, produce
+from shared.generation import GenerationOutput, produce
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
-from shared.registry import Registry
+from shared.registry import CancelOutcome, Entry, Registry, Subscription
+from shared.replay import ReplayBuffer
 from shared.settings import Settings
 from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
 
+__all__ = ["CancelOutcome", "Service", "Subscription"]
+
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+CANCEL_WAIT_S = 5.0  # how long a cancel call waits for the generation to stop before answering
 
 
 class Service:
@@ -44,16 +51,54 @@ class Service:
         if self._stats_task is not None:
             self._stats_task.cancel()
 
-    def admit(
-        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool = False
-    ) -> Generation:
-        """The generation this id already names, or a new one, validated, tokenized and started.
+    # --- the door -------------------------------------------------------------------------------
+    def open(
+        self,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None = None,
+        last_event_id: int | None = None,
+    ) -> Subscription:
+        """Subscribe to the generation this request names: an existing one (same id and body:
+        attach, resume after `last_event_id`, or replay) or a new one, validated and started.
 
         Runs without awaiting on purpose: between the lookup and the start nothing else can
         run, so two simultaneous requests with one id can never start two generations.
-        `resume` (a Last-Event-ID was sent) never starts one: a fresh generation under the old
+        A resume (`last_event_id` given) never starts one: a fresh generation under the old
         event ids would splice two different texts together.
         """
+        if last_event_id is not None and request_id is None:
+            raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
+        entry = self._existing_or_new(kind, body, request_id, resume=last_event_id is not None)
+        after = last_event_id or 0
+        if entry.output.stream:
+            entry.output.events.check_resumable(after)
+        return self.registry.subscribe(entry, after)
+
+    async def cancel(self, request_id: str) -> CancelOutcome:
+        """Abort the generation this id names; attached streams end with an error event."""
+        return await self.registry.cancel(request_id, wait_s=CANCEL_WAIT_S)
+
+    def healthy(self) -> bool:
+        return self.engine.healthy()
+
+    def stats(self) -> dict[str, int]:
+        """Held requests, running generations, held events and readers (for leak checks)."""
+        return self.registry.stats()
+
+    def model_card(self) -> dict[str, object]:
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm-serverless-bundle",
+            "max_model_len": self.engine.info.max_model_len,
+        }
+
+    # --- admission ------------------------------------------------------------------------------
+    def _existing_or_new(
+        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool
+    ) -> Entry:
         self._check_model(body.model)
         fingerprint = None
         if request_id is not None:
@@ -68,31 +113,34 @@ class Service:
                 f"no stream with X-Request-Id {request_id!r} is held any more; "
                 "start a new request with a new id"
             )
+        return self._start(kind, body, request_id, fingerprint)
+
+    def _start(self, kind: Kind, body: OpenAIRequest, request_id: str | None, fingerprint: str | None) -> Entry:
         prompt_ids = self._prompt_ids(body)
         sampling = self._sampling(body, prompt_ids)
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        generation = Generation(
-            request_id=request_id,
-            fingerprint=fingerprint,
+        output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
+            events=ReplayBuffer(self.settings.max_events_per_request),
             stream=body.stream,
             include_usage=body.include_usage,
             prompt_tokens=len(prompt_ids),
-            max_events=self.settings.max_events_per_request,
         )
 
-        async def producer(g: Generation) -> None:
+        async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
             await produce(
-                g,
+                out,
                 self.engine,
                 sampling,
                 self.metrics,
                 self.settings.request_timeout_s,
                 engine_request_id=completion_id,
+                abort_reason=abort_reason,
             )
 
-        self.registry.start(generation, producer)
-        return generation
+        entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
+        self.registry.start(entry, producer)
+        return entry
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.model_name:
