@@ -83,7 +83,9 @@ def _pool(workload: Workload, service: ServiceProfile, rules: Rules) -> list[tup
     cap = effective_concurrency(service, rules.concurrency)
     out = []
     for seg in workload.segments():
-        k, seconds = sharing(seg.rate_per_s, service, workload.output_tokens, cap, seg.poisson)
+        k, seconds = sharing(
+            seg.rate_per_s, service, workload.output_tokens, cap, seg.poisson, workload.prompt_tokens
+        )
         model = poisson_pool if seg.poisson else steady_pool
         out.append((seg.seconds, model(seg.rate_per_s, seconds, k, cap, rules)))
     return out

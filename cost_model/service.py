@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cost_model.errors import CostModelError
 
+# Assumed prefill speed when nothing measured says otherwise: an 8B bf16 model on an A100-class
+# GPU processes prompts at roughly this rate (the H200 benchmark implies at least 20,000/s).
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+
 
 class ThroughputPoint(BaseModel):
     """One measured concurrency level."""
@@ -34,6 +38,11 @@ class ServiceProfile(BaseModel):
     ttft_s: Annotated[float, Field(ge=0)] = 0.0
     cold_start_s: Annotated[float, Field(ge=0)] = 0.0
     label: str = "flags"
+    # Prefill: TTFT was measured at prompt_ref_tokens; each further prompt token adds 1/prefill.
+    prompt_ref_tokens: Annotated[int, Field(ge=0)] = 0
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = DEFAULT_PREFILL_TOKENS_PER_S
+    cold_start_source: str = "given"
+    gpu: str | None = None  # the GPU the speed was measured on, when known
 
     @model_validator(mode="after")
     def _sorted_unique(self) -> ServiceProfile:
@@ -78,9 +87,15 @@ class ServiceProfile(BaseModel):
         (c0, t0), (c1, t1) = known[i - 1], known[i]
         return t0 + (concurrency - c0) / (c1 - c0) * (t1 - t0)
 
-    def request_seconds(self, concurrency: float, output_tokens: int) -> float:
+    def ttft_for(self, concurrency: float, prompt_tokens: int) -> float:
+        """TTFT for a prompt of this length: the measured figure moved by the extra prefill."""
+        extra = (prompt_tokens - self.prompt_ref_tokens) / self.prefill_tokens_per_s
+        return max(0.0, self.ttft(concurrency) + extra)
+
+    def request_seconds(self, concurrency: float, output_tokens: int, prompt_tokens: int | None = None) -> float:
         """Wall time of one request when `concurrency` streams share the replica."""
-        return self.ttft(concurrency) + output_tokens / self.per_stream_rate(concurrency)
+        first = self.ttft(concurrency) if prompt_tokens is None else self.ttft_for(concurrency, prompt_tokens)
+        return first + output_tokens / self.per_stream_rate(concurrency)
 
 
 def parse_curve(text: str) -> list[ThroughputPoint]:
@@ -101,7 +116,12 @@ def parse_curve(text: str) -> list[ThroughputPoint]:
 
 
 def from_flags(
-    tokens_per_s: float | None, curve: str | None, ttft_s: float, cold_start_s: float
+    tokens_per_s: float | None,
+    curve: str | None,
+    ttft_s: float,
+    cold_start_s: float,
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+    cold_start_source: str = "given",
 ) -> ServiceProfile:
     """Build a profile from command-line numbers."""
     if ttft_s < 0 or cold_start_s < 0:
@@ -115,6 +135,12 @@ def from_flags(
     else:
         raise CostModelError("give the service speed: --bench FILE, --tokens-per-s N or --throughput C:N,...")
     try:
-        return ServiceProfile(points=tuple(points), ttft_s=ttft_s, cold_start_s=cold_start_s)
+        return ServiceProfile(
+            points=tuple(points),
+            ttft_s=ttft_s,
+            cold_start_s=cold_start_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+            cold_start_source=cold_start_source,
+        )
     except ValueError as exc:
         raise CostModelError(f"bad throughput curve: {exc}") from None
