@@ -63,7 +63,11 @@ def _warm(service: ServiceProfile, w: Workload, cfg: PoolConfig):  # noqa: ANN20
 
 @lru_cache(maxsize=512)
 def simulate_pool(
-    w: Workload, service: ServiceProfile, cfg: PoolConfig, seed: int = DEFAULT_SEED, budget: int = DEFAULT_BUDGET
+    w: Workload,
+    service: ServiceProfile,
+    cfg: PoolConfig,
+    seed: int = DEFAULT_SEED,
+    budget: int = DEFAULT_BUDGET,
 ) -> PoolDay:
     """Simulate `cfg` serving `w`; the same inputs always give the same answer (seeded)."""
     cap = effective_concurrency(service, cfg.concurrency)
@@ -79,8 +83,16 @@ def simulate_pool(
         tot, t_obs, e_obs = run_slice(sl.arrivals, sl.horizon, cfg, ttft, seconds, sl.warm)
         pinned = cfg.min_containers * sl.horizon
         sums += sl.per_day * np.array(
-            [tot.setup_s, tot.flex_up_s, tot.flex_busy_s, pinned, tot.pinned_busy_s, tot.starts,
-             tot.waited_start, tot.queued]
+            [
+                tot.setup_s,
+                tot.flex_up_s,
+                tot.flex_busy_s,
+                pinned,
+                tot.pinned_busy_s,
+                tot.starts,
+                tot.waited_start,
+                tot.queued,
+            ]
         )
         ttfts.append(np.asarray(t_obs))
         e2es.append(np.asarray(e_obs))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cost_model.constants import SECONDS_PER_DAY
-from cost_model.workload import Segment, Workload
+from cost_model.workload import Arrival, Segment, Workload
 
 MAX_DAYS = 365
 MIN_SLICE_S = 1800.0  # long enough for start-ups and idle windows to play out many times
@@ -43,6 +43,10 @@ def _arrivals(seg: Segment, start: float, seconds: float, rng: np.random.Generat
 
 def whole_days(w: Workload, budget: int, rng: np.random.Generator) -> Slice:
     days = int(min(MAX_DAYS, max(1, budget // max(w.requests_per_day, 1.0))))
+    horizon = days * SECONDS_PER_DAY
+    if w.arrival is Arrival.STEADY:  # one even spacing across day boundaries, not a new phase each day
+        seg = w.segments()[0]
+        return Slice(_arrivals(seg, 0.0, horizon, rng), horizon, 1.0 / days, 0)
     parts, t = [], 0.0
     for _ in range(days):
         for seg in w.segments():
@@ -56,7 +60,9 @@ def slices(w: Workload, budget: int, rng: np.random.Generator, warm: Callable[[f
     out = []
     for seg in w.segments():
         seconds = min(seg.seconds, max(seg.seconds * share, MIN_SLICE_S), budget / seg.rate_per_s)
-        out.append(Slice(_arrivals(seg, 0.0, seconds, rng), seconds, seg.seconds / seconds, warm(seg.rate_per_s)))
+        out.append(
+            Slice(_arrivals(seg, 0.0, seconds, rng), seconds, seg.seconds / seconds, warm(seg.rate_per_s))
+        )
     return out
 
 

@@ -13,12 +13,13 @@ from cost_model.errors import CostModelError
 # Assumed prefill speed when nothing measured says otherwise: an 8B bf16 model on an A100-class
 # GPU processes prompts at roughly this rate (the H200 benchmark implies at least 20,000/s).
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+MAX_CURVE_POINTS = 64
 
 
 class ThroughputPoint(BaseModel):
     """One measured concurrency level."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
     concurrency: Annotated[float, Field(ge=1)]
     per_stream_tokens_per_s: Annotated[float, Field(gt=0)]
     ttft_s: Annotated[float, Field(ge=0)] | None = None
@@ -33,7 +34,7 @@ class ServiceProfile(BaseModel):
     last measured level, because nothing says the GPU can do better there.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
     points: tuple[ThroughputPoint, ...]
     ttft_s: Annotated[float, Field(ge=0)] = 0.0
     cold_start_s: Annotated[float, Field(ge=0)] = 0.0
@@ -49,6 +50,8 @@ class ServiceProfile(BaseModel):
         if not self.points:
             raise ValueError("the throughput curve needs at least one point")
         levels = [p.concurrency for p in self.points]
+        if len(levels) > MAX_CURVE_POINTS or max(levels) > 1024:
+            raise ValueError(f"at most {MAX_CURVE_POINTS} levels, concurrency at most 1024")
         if levels != sorted(set(levels)):
             raise ValueError("throughput points must have distinct, increasing concurrency")
         return self
@@ -92,7 +95,9 @@ class ServiceProfile(BaseModel):
         extra = (prompt_tokens - self.prompt_ref_tokens) / self.prefill_tokens_per_s
         return max(0.0, self.ttft(concurrency) + extra)
 
-    def request_seconds(self, concurrency: float, output_tokens: int, prompt_tokens: int | None = None) -> float:
+    def request_seconds(
+        self, concurrency: float, output_tokens: int, prompt_tokens: int | None = None
+    ) -> float:
         """Wall time of one request when `concurrency` streams share the replica."""
         first = self.ttft(concurrency) if prompt_tokens is None else self.ttft_for(concurrency, prompt_tokens)
         return first + output_tokens / self.per_stream_rate(concurrency)
@@ -100,8 +105,11 @@ class ServiceProfile(BaseModel):
 
 def parse_curve(text: str) -> list[ThroughputPoint]:
     """Parse ``"1:500,8:400,32:250"`` (concurrency:per-stream tokens/s) into points."""
+    items = text.split(",")
+    if len(items) > MAX_CURVE_POINTS:
+        raise CostModelError(f"--throughput takes at most {MAX_CURVE_POINTS} points, got {len(items)}")
     points = []
-    for item in text.split(","):
+    for item in items:
         parts = item.strip().split(":")
         if len(parts) != 2:
             raise CostModelError(f"bad --throughput item '{item.strip()}': expected CONCURRENCY:TOKENS_PER_S")
@@ -109,8 +117,10 @@ def parse_curve(text: str) -> list[ThroughputPoint]:
             conc, rate = float(parts[0]), float(parts[1])
         except ValueError:
             raise CostModelError(f"bad --throughput item '{item.strip()}': not numbers") from None
-        if conc < 1 or rate <= 0:
-            raise CostModelError(f"bad --throughput item '{item.strip()}': concurrency >= 1, rate > 0")
+        if not (1 <= conc <= 1024 and 0 < rate <= 1e6):  # also false for NaN
+            raise CostModelError(
+                f"bad --throughput item '{item.strip()}': concurrency within 1..1024, rate within 0..1e6 tok/s"
+            )
         points.append(ThroughputPoint(concurrency=conc, per_stream_tokens_per_s=rate))
     return sorted(points, key=lambda p: p.concurrency)
 

@@ -244,5 +244,3 @@ def tables(
     ttft = [0.0] + [ttft_at(k) for k in range(1, concurrency + 1)]
     service = [0.0] + [seconds_at(k) for k in range(1, concurrency + 1)]
     return ttft, service
-
-
