@@ -153,7 +153,8 @@ def load_override(path: Path, base: Catalogue) -> Catalogue:
         raise CostModelError(f"malformed catalogue {path}: top level must be a JSON object")
     # A user file may refer to platforms defined only in the base catalogue.
     platforms = {k: v.model_dump() for k, v in base.platforms.items()}
-    extra_platforms = raw.get("platforms", {}) or {}
+    extra_platforms = raw.get("platforms")
+    extra_platforms = {} if extra_platforms is None else extra_platforms
     if not isinstance(extra_platforms, dict):
         raise CostModelError(f"malformed catalogue {path}: 'platforms' must be an object")
     platforms.update(extra_platforms)
