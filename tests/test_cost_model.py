@@ -280,3 +280,45 @@ def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "scale-down window" in out and "--scenario" in out and math.isfinite(len(out))
     assert "--startup FILE" in out and "bundle-startup/1" in out and "--snapshot-restore-s" in out
+
+
+def test_startup_file_feeds_cold_start_and_snapshot_savings(capsys: pytest.CaptureFixture[str]) -> None:
+    startup = str(FIXTURES / "startup_small.json")
+    code, out, _ = _run(
+        capsys,
+        "estimate",
+        "--bench",
+        str(FIXTURES / "bench_small.json"),
+        "--requests-per-day",
+        "2000",
+        "--gpu",
+        "H200",
+        "--concurrency",
+        "8",
+        "--startup",
+        startup,
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0
+    # The fastest non-snapshot path of the fixture is warm-cache (median 38 s), not the bench's 42 s.
+    assert doc["assumptions"]["service"]["cold_start_s"] == 38.0
+    assert "path 'warm-cache'" in doc["assumptions"]["service"]["cold_start_source"]
+    # Snapshot start = wake 0.82 s + default restore 20 s; it must save money on a serverless row.
+    assert any("snapshot start: 20.82 s" in n for n in doc["notes"])
+    assert doc["snapshot"] and "saves $" in doc["snapshot"][0]
+    # The bench says test-a100, the prices are H200: warned.
+    assert any(n.startswith("warning:") and "H200" in n for n in doc["notes"])
+
+
+def test_no_start_up_given_uses_the_stated_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "estimate", "--requests-per-day", "100", "--throughput", "1:50,4:40", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["assumptions"]["service"]["cold_start_s"] == 38.0
+    assert doc["notes"][0].startswith("start-up: 38 s (stated default")
+
+
+def test_single_point_with_flag_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--requests-per-day", "100", "--tokens-per-s", "50", "--concurrency", "4"]
+    assert _run(capsys, *argv)[0] == 2
+    assert _run(capsys, *argv, "--assume-flat-speed", "--json")[0] == 0
