@@ -30,13 +30,13 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) -m shared.bench suite --out bench/results
+	$(PY) -m bench suite --out bench/results
 
 cog-schema: $(STAMP)
 	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json
 
 lint: $(STAMP)
-	$(PY) -m ruff check shared modal_app cost_model cog tests
+	$(PY) -m ruff check shared modal_app cost_model cog bench tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

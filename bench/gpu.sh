@@ -32,11 +32,11 @@ export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
 common=(--levels 1,16,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000
         --clients 4 --repeat 1 --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
 case "$stage" in
-  raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;
-  servers) python3 -m shared.bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
-  all) python3 -m shared.bench suite "${common[@]}" ;;
+  raw) python3 -m bench suite "${common[@]}" --targets raw ;;
+  servers) python3 -m bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
+  all) python3 -m bench suite "${common[@]}" ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
-    python3 -m shared.bench suite --levels 1 --rounds 32 --prompt-tokens 512 --output-tokens 64 \
+    python3 -m bench suite --levels 1 --rounds 32 --prompt-tokens 512 --output-tokens 64 \
       --vocab 128000 --clients 1 --repeat 1 --capacity 0 --out bench/gpu-results/ttft1 \
       --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
     mkdir -p "${OUT:-/tmp/out}/ttft1" && cp bench/gpu-results/ttft1/bench.* "${OUT:-/tmp/out}/ttft1/"
@@ -53,11 +53,11 @@ case "$stage" in
       sleep 2
     done
     load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
-    python3 -m shared.bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
+    python3 -m bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
     for level in 1 256; do
       "$spy" record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
       recorder=$!
-      python3 -m shared.bench http "${load[@]}" --levels $level --rounds 2
+      python3 -m bench http "${load[@]}" --levels $level --rounds 2
       wait "$recorder" || true
       python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15 || true
     done

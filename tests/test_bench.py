@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
-from shared.bench import logged_batch_tokens, markdown_table, process_cpu_s
+from bench.__main__ import main as bench_main
+from bench.report import markdown_table
+from bench.servers import logged_batch_tokens, process_cpu_s
 
 
 def test_process_cpu_counts_this_process_burning_cpu() -> None:
@@ -56,3 +60,18 @@ def test_cpu_table_appears_only_where_cpu_was_measured() -> None:
     assert "| 1 | 0.250 |" in with_cpu
     without = markdown_table(_report({"raw": {"levels": [_level(1)]}}))
     assert "CPU time" not in without
+
+
+def test_startup_subcommand_hands_the_rest_of_the_line_to_its_main(monkeypatch) -> None:
+    seen: list[list[str]] = []
+    module = types.ModuleType("bench.startup")
+    module.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "bench.startup", module)
+    assert bench_main(["startup", "--runs", "2", "--help-me"]) == 0
+    assert seen == [["--runs", "2", "--help-me"]]
+
+
+def test_startup_subcommand_without_its_module_says_so_and_exits_2(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "bench.startup", None)  # as if bench/startup.py were absent
+    assert bench_main(["startup"]) == 2
+    assert "bench/startup.py" in capsys.readouterr().err

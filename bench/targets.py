@@ -1,0 +1,62 @@
+"""The targets: raw `AsyncLLM` in-process, and any OpenAI-compatible server over HTTP."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from bench.client_processes import run_level_in_processes
+from bench.levels import CpuClock, run_levels
+from bench.loadgen import run_level
+from bench.requesters import engine_requester, http_requester, load_client
+from bench.workload import Workload
+from shared.engine import batch_token_budget, start_llm, stop_llm
+from shared.settings import Settings
+
+
+async def bench_raw(
+    settings: Settings, workload: Workload, levels: list[int], rounds: int, repeat: int = 1
+) -> dict[str, Any]:
+    """The floor: the same engine the bundle builds, driven in-process with no server."""
+    llm = start_llm(settings)
+    try:
+        one = engine_requester(llm, workload)
+        await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches
+        return {
+            # process_time: this process's CPU, where vLLM's client side (output handling,
+            # detokenizing) runs as it does in a server's API process, minus HTTP.
+            "levels": await run_levels(
+                functools.partial(run_level, one), workload, levels, rounds, repeat, time.process_time
+            ),
+            "max_num_batched_tokens": batch_token_budget(llm),
+        }
+    finally:
+        stop_llm(llm)
+
+
+async def bench_http(
+    url: str,
+    workload: Workload,
+    levels: list[int],
+    rounds: int,
+    api_key: str | None = None,
+    clients: int = 1,
+    repeat: int = 1,
+    server_cpu: CpuClock | None = None,
+) -> list[dict]:
+    async with load_client(url, max(levels)) as client:
+        one = http_requester(client, workload, api_key)
+        await run_level(one, workload.prompts(4), 4)  # warm-up: graphs, caches, connections
+        if clients <= 1:
+            in_process = functools.partial(run_level, one)
+            return await run_levels(in_process, workload, levels, rounds, repeat, server_cpu)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
+
+        async def in_processes(prompts: list[list[int]], level: int) -> dict[str, Any]:
+            return run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+
+        return await run_levels(in_processes, workload, levels, rounds, repeat, server_cpu)
