@@ -16,7 +16,7 @@ import importlib
 import os
 import sys
 
-from bench.report import TARGETS
+from bench.specs import KINDS
 from bench.workload import Workload
 
 
@@ -27,13 +27,26 @@ def main(argv: list[str] | None = None) -> int:
         return run_startup(argv[1:])
     args = parser().parse_args(argv)
     if args.command == "suite":
+        from bench.specs import BadTarget, TargetSpec
         from bench.suite import run_suite
 
+        try:
+            [TargetSpec.parse(name) for name in args.targets.split(",")]
+        except BadTarget as exc:
+            print(f"python -m bench suite: {exc}", file=sys.stderr)
+            return 2
         run_suite(args)
         return 0
     from bench.targets import bench_http
 
-    workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, model=args.model)
+    workload = Workload(
+        args.prompt_tokens,
+        args.output_tokens,
+        args.vocab,
+        seed=args.seed,
+        model=args.model,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+    )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
     return 0
@@ -61,7 +74,15 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("startup", help="start-up benchmark; its arguments: python -m bench startup --help")
     suite = sub.choices["suite"]
     suite.add_argument("--out", default="bench/results")
-    suite.add_argument("--targets", default=",".join(TARGETS))
+    suite.add_argument(
+        "--targets", default=",".join(KINDS), help="raw, bundle, vllm_server; KIND:PRESET; vllm_server:defaults"
+    )
+    suite.add_argument(
+        "--prefix-caching",
+        type=_on_off_list,
+        default=[True],
+        help="on, off or on,off: each target once per mode, the flag passed explicitly to all (default on)",
+    )
     suite.add_argument("--capacity", type=int, default=1000, help="streams held open; 0: skip")
     suite.add_argument("--machine", default="", help="how to name the machine in the report")
     suite.add_argument("--merge", action="store_true", help="add to the targets in --out/bench.json")
@@ -79,12 +100,27 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
     p.add_argument("--repeat", type=int, default=3, help="runs per level; the median run is reported")
+    p.add_argument("--seed", type=int, default=0, help="prompts are a function of this and the batch")
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="a common prefix of this many tokens before each prompt's unique --prompt-tokens",
+    )
     p.add_argument(
         "--clients",
         type=int,
         default=1 if (os.cpu_count() or 1) <= 4 else 4,
         help="client processes for HTTP targets (default: 4 on machines with >4 CPUs)",
     )
+
+
+def _on_off_list(text: str) -> list[bool]:
+    modes = {"on": True, "off": False}
+    words = [word.strip() for word in text.split(",")]
+    if not words or any(word not in modes for word in words):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, not {text!r}")
+    return [modes[word] for word in words]
 
 
 if __name__ == "__main__":

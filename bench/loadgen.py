@@ -26,6 +26,10 @@ class Sample:
     total_s: float = 0.0
     output_tokens: int = 0
     gaps_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    # Prompt tokens vLLM served from its prefix cache (its own per-request count,
+    # `RequestOutput.num_cached_tokens`); None where the target does not report it.
+    cached_tokens: int | None = None
 
 
 # One request: prompt token ids -> its timeline.
@@ -63,7 +67,25 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "ttft_s": percentiles([s.first_token_s for s in good]),
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
+        **prefix_cache_summary(good),
     }
+
+
+def prefix_cache_summary(samples: list[Sample]) -> dict[str, Any]:
+    """{"prefix_cache": queries, hits, hit rate} from the samples, or {} if none reported it."""
+    reported = [s for s in samples if s.cached_tokens is not None]
+    if not reported:
+        return {}
+    return {
+        "prefix_cache": cache_counts(
+            sum(s.prompt_tokens for s in reported), sum(s.cached_tokens or 0 for s in reported)
+        )
+    }
+
+
+def cache_counts(queries: int, hits: int) -> dict[str, Any]:
+    """Prompt tokens looked up in the prefix cache, those found, and the share found."""
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
 
 
 async def run_level(one_request: Requester, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:

@@ -1,35 +1,53 @@
-"""The suite's report as markdown: one row per level, one cell per target, then the CPU table
-and a footer with the workload, the engines' prefill budgets and the capacity run."""
+"""The suite's report as markdown: one row per level, one cell per target, the ratios that
+matter, the CPU table, and a footer with the workload, the engines' prefill budgets and the
+capacity run. Cells: median tok/s (± half the spread of the runs, % of the median) · TTFT p50
+ms · ITL p50/p99 ms · prefix-cache hit rate."""
 
 from __future__ import annotations
 
 from typing import Any
 
-TARGETS = ("raw", "bundle", "vllm_server")
+from bench.specs import NO_PREFIX_CACHE
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator) target pairs shown as ratio columns, where both were run."""
+    pairs = [("bundle", "raw"), ("bundle", "vllm_server")]
+    pairs += [(name, "vllm_server:defaults") for name in names if name.startswith("bundle:")]
+    pairs += [(name, name + NO_PREFIX_CACHE) for name in names]
+    present = set(names)
+    return [(a, b) for a, b in pairs if a in present and b in present and a != b]
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     targets = report["targets"]
     by_level = {t: {lv["concurrency"]: lv for lv in targets[t]["levels"]} for t in targets}
     levels = sorted({c for t in by_level.values() for c in t})
-    names = [t for t in TARGETS if t in targets]
+    names = list(targets)
+    pairs = ratio_pairs(names)
     head = (
         "| concurrency | "
-        + " | ".join(f"{t}: tok/s · TTFT p50 ms · ITL p50/p99 ms" for t in names)
-        + " | bundle/raw | bundle/vLLM server |"
+        + " | ".join(f"{t}: tok/s · TTFT p50 ms · ITL p50/p99 ms · prefix hits" for t in names)
+        + "".join(f" | {a} / {b}" for a, b in pairs)
+        + " |"
     )
-    rows = [head, "|" + "---|" * (len(names) + 3)]
+    rows = [head, "|" + "---|" * (len(names) + len(pairs) + 1)]
     for level in levels:
         cells = [_cell(by_level[t].get(level)) for t in names]
-        rows.append(
-            f"| {level} | " + " | ".join(cells) + f" | {_ratio(by_level, level, 'raw')} | "
-            f"{_ratio(by_level, level, 'vllm_server')} |"
-        )
+        ratios = [_ratio(by_level, level, a, b) for a, b in pairs]
+        rows.append(f"| {level} | " + " | ".join(cells + ratios) + " |")
     rows += _cpu_table(by_level, names, levels)
+    return "\n".join(rows + _footer(report, names)) + "\n"
+
+
+def _footer(report: dict[str, Any], names: list[str]) -> list[str]:
+    targets, workload = report["targets"], report["workload"]
+    prefix = workload.get("shared_prefix_tokens", 0)
     footer = [
         f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
-        f"{report['workload']['prompt_tokens']} prompt tokens, "
-        f"{report['workload']['output_tokens']} output tokens (ignore_eos), temperature 0."
+        + (f"{prefix} shared prefix tokens + " if prefix else "")
+        + f"{workload['prompt_tokens']} unique prompt tokens, {workload['output_tokens']} output tokens "
+        f"(ignore_eos), temperature 0; median of {report.get('repeat', 1)} runs per level."
     ]
     budgets = {t: targets[t].get("max_num_batched_tokens") for t in names}
     if any(budgets.values()):
@@ -45,7 +63,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"{cap['errors']} failed, ITL p99 {cap['itl_s']['p99'] * 1000:.1f} ms, "
             f"server peak RSS {cap.get('server_peak_rss_mib', 0):.0f} MiB."
         )
-    return "\n".join(rows + footer) + "\n"
+    return footer
 
 
 def _cpu_table(by_level: dict, names: list[str], levels: list[int]) -> list[str]:
@@ -67,14 +85,24 @@ def _cpu_table(by_level: dict, names: list[str], levels: list[int]) -> list[str]
 def _cell(level: dict | None) -> str:
     if level is None:
         return "-"
+    cache = level.get("prefix_cache")
     return (
-        f"{level['output_tokens_per_s']:,.0f} · {level['ttft_s']['p50'] * 1000:.1f} · "
-        f"{level['itl_s']['p50'] * 1000:.1f}/{level['itl_s']['p99'] * 1000:.1f}"
+        f"{level['output_tokens_per_s']:,.0f}{_spread(level)} · {level['ttft_s']['p50'] * 1000:.1f} · "
+        f"{level['itl_s']['p50'] * 1000:.1f}/{level['itl_s']['p99'] * 1000:.1f} · "
+        + (f"{cache['hit_rate']:.1%}" if cache else "-")
     )
 
 
-def _ratio(by_level: dict, level: int, other: str) -> str:
-    mine, theirs = by_level.get("bundle", {}).get(level), by_level.get(other, {}).get(level)
-    if not mine or not theirs or not theirs["output_tokens_per_s"]:
+def _spread(level: dict) -> str:
+    """' ±x%': half the range of the runs' throughput, relative to the median; '' for one run."""
+    runs = level.get("runs_output_tokens_per_s") or []
+    if len(runs) < 2 or not level["output_tokens_per_s"]:
+        return ""
+    return f" ±{50 * (max(runs) - min(runs)) / level['output_tokens_per_s']:.0f}%"
+
+
+def _ratio(by_level: dict, level: int, mine: str, other: str) -> str:
+    a, b = by_level.get(mine, {}).get(level), by_level.get(other, {}).get(level)
+    if not a or not b or not b["output_tokens_per_s"]:
         return "-"
-    return f"{mine['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}"
+    return f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}"

@@ -41,7 +41,7 @@ def http_requester(client: httpx.AsyncClient, workload: Workload, api_key: str |
         }
         started = time.perf_counter()
         arrivals: list[float] = []
-        usage_tokens = 0
+        usage: dict[str, Any] = {}
         try:
             async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
@@ -54,27 +54,31 @@ def http_requester(client: httpx.AsyncClient, workload: Workload, api_key: str |
                     *events, buffer = buffer.split(b"\n\n")
                     carried_text = False
                     for event in events:
-                        usage_tokens, has_text = _read_event(event, usage_tokens)
-                        carried_text |= has_text
+                        carried_text |= _read_event(event, usage)
                     # One arrival per read that brought text: tokens that reach the client in
                     # one read arrive together, whatever the number of events.
                     if carried_text:
                         arrivals.append(now - started)
         except httpx.HTTPError:
             return Sample(ok=False)
-        return _sample(arrivals, time.perf_counter() - started, usage_tokens)
+        sample = _sample(arrivals, time.perf_counter() - started, usage.get("completion_tokens", 0))
+        sample.prompt_tokens = usage.get("prompt_tokens", len(prompt))
+        # vLLM's server reports it with --enable-prompt-tokens-details; the bundle does not.
+        sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return sample
 
     return one
 
 
-def _read_event(event: bytes, usage_tokens: int) -> tuple[int, bool]:
-    """(completion tokens reported so far, whether this event carries text)."""
+def _read_event(event: bytes, usage: dict[str, Any]) -> bool:
+    """Whether this event carries text; the final usage chunk is copied into `usage`."""
     data = event[event.find(b"data: ") + 6 :]
     if data == b"[DONE]" or not data:
-        return usage_tokens, False
+        return False
     if b'"usage":{' in data and b'"choices":[]' in data:
-        return int(orjson.loads(data)["usage"]["completion_tokens"]), False
-    return usage_tokens, b'"text":""' not in data
+        usage.update(orjson.loads(data)["usage"])
+        return False
+    return b'"text":""' not in data
 
 
 def _sample(arrivals: list[float], total: float, tokens: int) -> Sample:
@@ -101,14 +105,18 @@ def engine_requester(llm: Any, workload: Workload) -> Requester:
         started = time.perf_counter()
         arrivals: list[float] = []
         tokens = 0
+        cached: int | None = None
         try:
             async for output in llm.generate({"prompt_token_ids": prompt}, params, f"raw-{next(counter)}"):
                 new = len(output.outputs[0].token_ids)
                 if new:
                     arrivals.append(time.perf_counter() - started)
                     tokens += new
+                cached = output.num_cached_tokens if cached is None else cached
         except Exception:
             return Sample(ok=False)
-        return _sample(arrivals, time.perf_counter() - started, tokens)
+        sample = _sample(arrivals, time.perf_counter() - started, tokens)
+        sample.prompt_tokens, sample.cached_tokens = len(prompt), cached or 0
+        return sample
 
     return one

@@ -13,10 +13,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 
 from shared.engine import engine_args
 from shared.settings import Settings
@@ -74,9 +76,49 @@ def bundle_command(port: int) -> list[str]:
 
 
 def vllm_server_command(settings: Settings, port: int) -> list[str]:
+    """vLLM's own server on exactly the engine arguments the bundle resolves (preset included)."""
     from vllm.platforms import current_platform
 
     args = engine_args(settings, on_cpu=current_platform.is_cpu())
+    command = _vllm_server_base(settings, args, port) + [
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--disable-log-stats",  # as the bundle's engine (shared/engine.py)
+    ]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
+    for flag, value in (
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--quantization", args.quantization),
+        ("--block-size", args.block_size),
+    ):
+        if value:
+            command += [flag, str(value)]
+    if args.enable_prefix_caching is not None:
+        command.append(
+            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    return command
+
+
+def vllm_defaults_command(settings: Settings, port: int) -> list[str]:
+    """`vllm serve` as a user runs it: the model, and vLLM's defaults for everything else (its
+    stat logging, scheduler and prefix caching included). Only what the machine needs is kept:
+    on CPU eager mode and the KV share of host RAM (vLLM's 0.92 fails on small hosts)."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    args = engine_args(settings, on_cpu=on_cpu)
+    command = _vllm_server_base(settings, args, port)
+    if on_cpu:
+        command += ["--enforce-eager", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return command
+
+
+def _vllm_server_base(settings: Settings, args: Any, port: int) -> list[str]:
+    """What every vLLM server run shares: the model, its shape and the load it must serve."""
     command = [
         sys.executable,
         "-m",
@@ -91,23 +133,16 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
         settings.model_name,
         "--dtype",
         args.dtype,
-        "--gpu-memory-utilization",
-        str(args.gpu_memory_utilization),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
         "--load-format",
         args.load_format,
-        "--disable-log-stats",
         "--seed",
         str(settings.engine_seed),
         "--disable-uvicorn-access-log",
+        # Puts vLLM's own per-request prefix-cache count in the usage chunk (frontend only).
+        "--enable-prompt-tokens-details",
     ]
-    if args.enforce_eager:
-        command.append("--enforce-eager")
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
-    if args.max_num_batched_tokens:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return command
 
 
@@ -136,3 +171,17 @@ def process_cpu_s(pid: int) -> float:
         with contextlib.suppress(OSError):  # the thread ended while we listed
             total_ns += int(schedstat.read_text().split()[0])
     return total_ns / 1e9
+
+
+def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
+    """Reads the bundle's prefix-cache counts (prompt tokens looked up, found) from the file its
+    server publishes (shared/stats_file.py); (0, 0) until the first write."""
+
+    def read() -> tuple[int, int]:
+        try:
+            snapshot = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return 0, 0
+        return int(snapshot.get("prefix_cache_queries", 0)), int(snapshot.get("prefix_cache_hits", 0))
+
+    return read

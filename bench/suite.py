@@ -1,5 +1,8 @@
 """`python -m bench suite`: the bundle against raw AsyncLLM and vLLM's own server, one after
-another on the same engine settings and identical requests, so ratios hold on a noisy box."""
+another on the same engine flags and identical requests, so ratios hold on a noisy box.
+
+Each target is run with each prefix-caching mode asked for (`--prefix-caching on,off`), the
+flag passed explicitly to every target; the JSON holds every run of every level."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from bench.levels import Meters
 from bench.loadgen import summarise
 from bench.plot import plot
 from bench.report import markdown_table
@@ -27,64 +31,49 @@ from bench.servers import (
     peak_rss_mib,
     process_cpu_s,
     running_server,
+    stats_file_counter,
+    vllm_defaults_command,
     vllm_server_command,
 )
-from bench.targets import bench_http, bench_raw
+from bench.specs import TargetSpec
+from bench.targets import bench_http, bench_raw, import_engine
 from bench.workload import Workload
 from shared.settings import Settings
 
 
 def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+    import_engine()  # before any engine exists: see its docstring
+    specs = [TargetSpec.parse(name) for name in args.targets.split(",")]
     settings = Settings()
-    workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, model=settings.model_name)
-    levels = [int(x) for x in args.levels.split(",")]
+    workload = Workload(
+        args.prompt_tokens,
+        args.output_tokens,
+        args.vocab,
+        seed=args.seed,
+        model=settings.model_name,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "BUNDLE_MAX_IN_FLIGHT": str(max(10_000, args.capacity + 100)),
-        "BUNDLE_LOG_LEVEL": "warning",
-    }
     # Targets run in separate invocations (a GPU lease splits them) add up in one report.
     previous = out / "bench.json"
     results: dict[str, Any] = (
         orjson.loads(previous.read_bytes())["targets"] if args.merge and previous.exists() else {}
     )
-    for target in args.targets.split(","):
-        print(f"{target}:", flush=True)
-        started = time.perf_counter()
-        if target == "raw":
-            raw_run = bench_raw(settings, workload, levels, args.rounds, args.repeat)
-            results[target] = asyncio.run(raw_run)
-        else:
-            port = free_port()
-            command = bundle_command(port) if target == "bundle" else vllm_server_command(settings, port)
-            with running_server(command, port, out / f"{target}.log", env) as pid:
-                url = f"http://127.0.0.1:{port}"
-                levels_run = bench_http(
-                    url,
-                    workload,
-                    levels,
-                    args.rounds,
-                    clients=args.clients,
-                    repeat=args.repeat,
-                    server_cpu=functools.partial(process_cpu_s, pid),
-                )
-                results[target] = {
-                    "levels": asyncio.run(levels_run),
-                    "client_processes": args.clients,
-                    "max_num_batched_tokens": logged_batch_tokens(out / f"{target}.log"),
-                }
-                if target == "bundle" and args.capacity:
-                    results[target]["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
-                    results[target]["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
-        results[target]["seconds"] = time.perf_counter() - started
+    for spec in specs:
+        for caching in args.prefix_caching:
+            name = spec.result_name(caching)
+            print(f"{name}:", flush=True)
+            started = time.perf_counter()
+            results[name] = run_target(spec, caching, workload, args, out)
+            results[name]["seconds"] = time.perf_counter() - started
     report = {
-        "schema": "bundle-bench/1",
+        "schema": "bundle-bench/2",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": args.machine or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
         "workload": vars(workload),
+        "repeat": args.repeat,
         "targets": results,
     }
     (out / "bench.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
@@ -95,19 +84,63 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_target(
+    spec: TargetSpec, caching: bool, workload: Workload, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    levels = [int(x) for x in args.levels.split(",")]
+    settings = spec.settings(caching)
+    if spec.kind == "raw":
+        result = asyncio.run(bench_raw(settings, workload, levels, args.rounds, args.repeat))
+        result["prefix_caching"] = caching
+        return result
+    port = free_port()
+    log = out / f"{spec.result_name(caching).replace(':', '-').replace('/', '-')}.log"
+    stats = log.with_suffix(".stats.json")
+    if spec.kind == "bundle":
+        command = bundle_command(port)
+    else:
+        command = (vllm_defaults_command if spec.vllm_defaults else vllm_server_command)(settings, port)
+    env = {
+        **os.environ,
+        **spec.server_env(caching),
+        "BUNDLE_MAX_IN_FLIGHT": str(max(10_000, args.capacity + 100)),
+        "BUNDLE_LOG_LEVEL": "warning",
+        "BUNDLE_ENGINE_STATS_FILE": str(stats),  # the bundle's prefix-cache counts (bench only)
+    }
+    with running_server(command, port, log, env) as pid:
+        url = f"http://127.0.0.1:{port}"
+        meters = Meters(
+            serving_cpu=functools.partial(process_cpu_s, pid),
+            prefix_cache=stats_file_counter(stats) if spec.kind == "bundle" else None,
+        )
+        run = bench_http(
+            url, workload, levels, args.rounds, clients=args.clients, repeat=args.repeat, meters=meters
+        )
+        result: dict[str, Any] = {
+            "levels": asyncio.run(run),
+            "client_processes": args.clients,
+            "max_num_batched_tokens": logged_batch_tokens(log),
+            "prefix_caching": None if spec.vllm_defaults else caching,
+        }
+        if spec.name == "bundle" and args.capacity:
+            result["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
+            result["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
+    return result
+
+
 async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]:
     """Hold `streams` streaming requests open at once; count failures and tail latency."""
     long = Workload(
         workload.prompt_tokens,
         workload.output_tokens * 2,
         workload.vocab_size,
-        seed=7,
+        seed=workload.seed,
         model=workload.model,
     )
     async with load_client(url, streams, read_timeout_s=900.0, connect_timeout_s=60.0) as c:
         one = http_requester(c, long)
         started = time.perf_counter()
-        samples = await asyncio.gather(*(one(p) for p in long.prompts(streams)))
+        samples = await asyncio.gather(*(one(p) for p in long.prompts(streams, "capacity")))
         result = summarise(streams, list(samples), time.perf_counter() - started)
     print(
         f"capacity: {streams} streams, {result['errors']} failed, ITL p99 "
