@@ -183,7 +183,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
     """Translate the settings into vLLM's AsyncEngineArgs, with CPU-friendly defaults."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    settings = apply_preset(settings)
+    settings = apply_preset(settings, on_cpu)
     optional = {
         "max_model_len": settings.max_model_len,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

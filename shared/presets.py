@@ -43,10 +43,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def apply_preset(settings: Settings) -> Settings:
+# Knobs a preset sets only on a GPU. vLLM's CPU build refuses FP8 for float32 models, and the
+# local test model is float32 on purpose (see shared/engine.py, _dtype): the Modal app, run
+# locally on CPU by the tests, must start with its default preset. An explicit setting applies
+# everywhere, as always.
+GPU_ONLY = frozenset({"quantization"})
+
+
+def apply_preset(settings: Settings, on_cpu: bool = False) -> Settings:
     """`settings` with its preset's knobs filled in where the user set nothing explicitly."""
     if settings.preset is None:
         return settings
     knobs = PRESETS[settings.preset]
-    chosen = {name: value for name, value in knobs.items() if name not in settings.model_fields_set}
+    chosen = {
+        name: value
+        for name, value in knobs.items()
+        if name not in settings.model_fields_set and not (on_cpu and name in GPU_ONLY)
+    }
     return settings.model_copy(update=chosen)

@@ -44,6 +44,14 @@ def test_from_the_environment_an_explicit_variable_wins_too(monkeypatch: pytest.
     assert settings.max_num_batched_tokens == PRESETS["latency"]["max_num_batched_tokens"]
 
 
+def test_on_cpu_a_preset_leaves_quantization_to_the_user() -> None:
+    args = engine_args(Settings(model="/models/m", preset="throughput"), on_cpu=True)
+    assert args.quantization is None
+    assert args.max_num_batched_tokens == PRESETS["throughput"]["max_num_batched_tokens"]
+    explicit = engine_args(Settings(model="/models/m", preset="throughput", quantization="fp8"), on_cpu=True)
+    assert explicit.quantization == "fp8"
+
+
 def test_no_preset_changes_nothing() -> None:
     settings = Settings(model="/models/m")
     assert apply_preset(settings) is settings
