@@ -87,19 +87,23 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
 def run_target(
     spec: TargetSpec, caching: bool, workload: Workload, args: argparse.Namespace, out: Path
 ) -> dict[str, Any]:
-    levels = [int(x) for x in args.levels.split(",")]
-    settings = spec.settings(caching)
     if spec.kind == "raw":
-        result = asyncio.run(bench_raw(settings, workload, levels, args.rounds, args.repeat))
-        result["prefix_caching"] = caching
-        return result
+        levels = [int(x) for x in args.levels.split(",")]
+        result = asyncio.run(bench_raw(spec.settings(caching), workload, levels, args.rounds, args.repeat))
+        return {**result, "prefix_caching": caching}
+    stats = out / f"{_file_stem(spec, caching)}.stats.json"
+    try:
+        return run_server(spec, caching, workload, args, out, stats)
+    finally:
+        stats.unlink(missing_ok=True)  # scratch: the counts are in the report
+
+
+def run_server(
+    spec: TargetSpec, caching: bool, workload: Workload, args: argparse.Namespace, out: Path, stats: Path
+) -> dict[str, Any]:
+    """Start the target's server, measure every level through it, always stop it."""
     port = free_port()
-    log = out / f"{spec.result_name(caching).replace(':', '-').replace('/', '-')}.log"
-    stats = log.with_suffix(".stats.json")
-    if spec.kind == "bundle":
-        command = bundle_command(port)
-    else:
-        command = (vllm_defaults_command if spec.vllm_defaults else vllm_server_command)(settings, port)
+    log = out / f"{_file_stem(spec, caching)}.log"
     env = {
         **os.environ,
         **spec.server_env(caching),
@@ -107,12 +111,13 @@ def run_target(
         "BUNDLE_LOG_LEVEL": "warning",
         "BUNDLE_ENGINE_STATS_FILE": str(stats),  # the bundle's prefix-cache counts (bench only)
     }
-    with running_server(command, port, log, env) as pid:
+    with running_server(server_command(spec, caching, port), port, log, env) as pid:
         url = f"http://127.0.0.1:{port}"
         meters = Meters(
             serving_cpu=functools.partial(process_cpu_s, pid),
             prefix_cache=stats_file_counter(stats) if spec.kind == "bundle" else None,
         )
+        levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(
             url, workload, levels, args.rounds, clients=args.clients, repeat=args.repeat, meters=meters
         )
@@ -126,6 +131,18 @@ def run_target(
             result["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
             result["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
     return result
+
+
+def server_command(spec: TargetSpec, caching: bool, port: int) -> list[str]:
+    if spec.kind == "bundle":
+        return bundle_command(port)  # its settings travel in the environment (spec.server_env)
+    if spec.vllm_defaults:
+        return vllm_defaults_command(spec.settings(caching), port)
+    return vllm_server_command(spec.settings(caching), port)
+
+
+def _file_stem(spec: TargetSpec, caching: bool) -> str:
+    return spec.result_name(caching).replace(":", "-").replace("/", "-")
 
 
 async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]:
