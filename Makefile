@@ -31,6 +31,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m shared.bench suite --out bench/results
+	# Start-up per path (empty/warm compile cache, eager; sleep/wake is CUDA only): two starts each.
+	$(PY) -m bench.startup --runs 2 --out bench/results
 
 cog-schema: $(STAMP)
 	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json
