@@ -60,7 +60,8 @@ MILESTONES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("config_tokenizer", "marker", ("settings",)),
     ("engine_core_up", "vllm", (r"Initializing a V1 LLM engine",)),
     ("weights_loaded", "vllm", (r"Model loading took", r"Loading weights took")),
-    ("torch_compile", "vllm", (r"torch\.compile (took|takes) ",)),
+    # GPU: vLLM's compile monitor. CPU build: no such line; its compile runs in a warm-up of its own.
+    ("torch_compile", "vllm", (r"torch\.compile (took|takes) ", r"Warming up done")),
     ("kv_cache", "vllm", (r"KV cache size: [\d,]+ tokens", r"Available KV cache memory")),
     ("cuda_graphs", "vllm", (r"(?<!Encoder )Graph capturing finished",)),
     ("engine_init", "vllm", (r"init engine \(.*\) took",)),

@@ -17,15 +17,17 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from shared.engine import Engine, SamplingRequest, VLLMEngine, open_engine
+from shared.engine import Engine, SamplingRequest, open_engine
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+
+Opener = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 
 WARM_UP_SEED = 20261130  # fixed prompts: every container warms up the same kernels
 
@@ -43,15 +45,16 @@ class WakeReport:
 class EngineLifecycle:
     """One engine through start, warm-up, sleep and wake, owned until `stop`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, opener: Opener = open_engine) -> None:
         # Sleep mode must be chosen when the engine starts; vLLM ignores it where unsupported.
         self.settings = settings.model_copy(update={"sleep_mode": True})
-        self.engine: VLLMEngine | None = None
+        self.engine: Engine | None = None
+        self._opener = opener
         self._stack = AsyncExitStack()
 
-    async def start(self) -> VLLMEngine:
+    async def start(self) -> Engine:
         if self.engine is None:
-            self.engine = await self._stack.enter_async_context(open_engine(self.settings))
+            self.engine = await self._stack.enter_async_context(self._opener(self.settings))
         return self.engine
 
     async def prepare_for_snapshot(self) -> None:
@@ -102,10 +105,10 @@ class EngineLifecycle:
         if self.engine is not None:
             yield self.engine
             return
-        async with open_engine(settings) as engine:
+        async with self._opener(settings) as engine:
             yield engine
 
-    def _engine(self) -> VLLMEngine:
+    def _engine(self) -> Engine:
         if self.engine is None:
             raise EngineUnavailable("the engine was never started")
         return self.engine
