@@ -16,6 +16,12 @@
 #   5. optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   6. optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256
 #      streams (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
+#   7. cold start (issue 13), each one command under 10 minutes, results merged into one JSON:
+#      run("bash bench/gpu.sh startup")        # bytecode compiled; empty compile cache x1, warm x3
+#      run("bash bench/gpu.sh startup-eager")  # eager x2, sleep/wake cycles x3 (lifecycle functions)
+#      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
+#      run("bash bench/gpu.sh graphs")         # the same with vLLM's default CUDA graph sizes (512)
+#      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-default-graphs]/sleepwake.json
 # Results: bench/gpu-results/bench.{json,md,png} (ttft1: bench/gpu-results/ttft1/) on the
 # device, copied to $OUT.
 set -euo pipefail
@@ -63,6 +69,29 @@ case "$stage" in
     done
     kill "$server" && wait "$server" || true
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
+  startup|startup-eager|graphs)
+    # A built image ships compiled bytecode; the pip --no-compile install above does not.
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    out=bench/gpu-results/startup work=/tmp/startup-work
+    case "$stage" in
+      startup)
+        python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out
+        python3 -m bench.startup --paths warm-cache --runs 3 --work $work --out $out --merge ;;
+      startup-eager) python3 -m bench.startup --paths eager,wake --runs 3 --work $work --out $out --merge ;;
+      graphs)  # vLLM's default widths (min(2 x 256, 512)) against the bundle's cap at max_num_seqs
+        export BUNDLE_CUDA_GRAPH_MAX_BATCH=512
+        python3 -m bench.startup --paths warm-cache --runs 2 --work /tmp/startup-work-512 --out $out-default-graphs
+        python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake-default-graphs || true
+        mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake-default-graphs "${OUT:-/tmp/out}/" ;;
+    esac
+    mkdir -p "${OUT:-/tmp/out}/startup/logs" && cp $out/startup.* "${OUT:-/tmp/out}/startup/" 2>/dev/null || true
+    cp -r $out-default-graphs "${OUT:-/tmp/out}/" 2>/dev/null || true
+    cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
+    exit 0 ;;
+  sleepwake)
+    python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
+    mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
+    exit 0 ;;
 esac
 mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-results/bench.* bench/gpu-results/*.log "${OUT:-/tmp/out}/" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

@@ -210,12 +210,18 @@ def path_env(path: str, caches: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["BUNDLE_ENFORCE_EAGER"] = "true" if path == "eager" else "false"
-    # vLLM's compile cache, and the inductor and triton caches under it: all or nothing, or an
-    # "empty" cache would still find inductor's kernels in /tmp.
-    env["VLLM_CACHE_ROOT"] = str(caches)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / "inductor")
-    env["TRITON_CACHE_DIR"] = str(caches / "triton")
+    env.update(cache_env(caches))
     return env
+
+
+def cache_env(caches: Path) -> dict[str, str]:
+    # vLLM's compile cache, and the inductor and triton caches beside it: all or nothing, or an
+    # "empty" cache would still find inductor's kernels in /tmp.
+    return {
+        "VLLM_CACHE_ROOT": str(caches),
+        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+        "TRITON_CACHE_DIR": str(caches / "triton"),
+    }
 
 
 def run_server_paths(paths: list[str], runs: int, model: str, work: Path, timeout_s: float) -> dict[str, Any]:
@@ -237,12 +243,14 @@ def run_server_paths(paths: list[str], runs: int, model: str, work: Path, timeou
     return results
 
 
-def run_wake_path(runs: int, settings: Settings) -> dict[str, Any]:
-    """Sleep/wake cycles of one engine, through the lifecycle functions Modal's hooks call."""
+def run_wake_path(runs: int, settings: Settings, caches: Path) -> dict[str, Any]:
+    """Sleep/wake cycles of one engine, through the lifecycle functions Modal's hooks call.
+    The engine runs in this process, on the warm compile cache (as a snapshot would hold it)."""
     from shared.engine import sleep_mode_available
 
     if not sleep_mode_available():
         return {"runs": [], "unsupported": "this vLLM build has no sleep mode (CUDA only)"}
+    os.environ.update(cache_env(caches))  # read by vLLM and torch in this process
     cycles = asyncio.run(_wake_cycles(runs, settings))
     return {"runs": cycles, **summarise(cycles)}
 
@@ -365,6 +373,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--work", type=Path, help="caches and server logs (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the other paths of an existing startup.json in --out"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.paths.split(",")) - set(PATHS)
     if unknown or args.runs < 1:
@@ -388,8 +399,11 @@ def main(argv: list[str]) -> int:
             "paths": run_server_paths(paths, args.runs, settings.model_name, work, args.timeout),
         }
         if "wake" in paths:
-            report["paths"]["wake"] = run_wake_path(args.runs, settings)
+            report["paths"]["wake"] = run_wake_path(args.runs, settings, work / "warm-cache")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge and (args.out / "startup.json").exists():
+        earlier = json.loads((args.out / "startup.json").read_text())
+        report["paths"] = {**earlier["paths"], **report["paths"]}
     (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "startup.md").write_text(markdown(report))
     print(markdown(report))
