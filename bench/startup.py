@@ -58,6 +58,9 @@ MILESTONES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("interpreter", "marker", ("interpreter",)),
     ("imports", "marker", ("imports",)),
     ("config_tokenizer", "marker", ("settings",)),
+    # vLLM's configuration; with an empty VLLM_CACHE_ROOT it first inspects the model's
+    # architecture in a subprocess (cached in <root>/modelinfos afterwards).
+    ("model_config", "vllm", (r"Resolved architecture",)),
     ("engine_core_up", "vllm", (r"Initializing a V1 LLM engine",)),
     ("weights_loaded", "vllm", (r"Model loading took", r"Loading weights took")),
     # GPU: vLLM's compile monitor. CPU build: no such line; its compile runs in a warm-up of its own.

