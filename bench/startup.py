@@ -184,7 +184,10 @@ def start_once(env: dict[str, str], model: str, log_path: Path, timeout_s: float
     log = LogCapture(log_path)
     with spawned_server(env, port, log) as (process, spawned):
         base = f"http://127.0.0.1:{port}"
-        healthy = _wait_healthy(base, process, spawned + timeout_s)
+        try:
+            healthy = _wait_healthy(base, process, spawned + timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; its log: {log_path}") from None
         body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         answered = time.time()
