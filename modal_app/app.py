@@ -49,12 +49,11 @@ from typing import TYPE_CHECKING, Any
 import modal
 
 from modal_app.settings import ModalSettings
+from shared.lifecycle import EngineLifecycle  # light: vLLM is imported only when an engine starts
 from shared.settings import Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-    from shared.lifecycle import EngineLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +174,6 @@ class Server:
 
         @modal.enter(snap=True)
         def prepare_snapshot(self) -> Work | None:
-            # Imported here so that deploying needs none of the serving stack.
-            from shared.lifecycle import EngineLifecycle
-
             self.lifecycle = EngineLifecycle(SETTINGS)
             return in_container(self.lifecycle.prepare_for_snapshot)
 
