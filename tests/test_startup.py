@@ -85,3 +85,16 @@ def test_one_real_cpu_start_produces_every_phase_of_the_eager_path(tmp_path: Pat
     assert report["paths"]["wake"]["runs"] == [] and "unsupported" in report["paths"]["wake"]
     table = (tmp_path / "startup.md").read_text()
     assert "| engine_core_up |" in table and "unsupported" in table
+
+
+def test_merge_keeps_the_paths_measured_earlier(tmp_path: Path) -> None:
+    stats = {"min": 1.0, "median": 1.0, "max": 1.0}
+    run = {"phases": {"imports": 1.0}, "first_token_s": 1.0}
+    eager = {"runs": [run], "first_token_s": stats, "phases": {"imports": stats}}
+    earlier = {"schema": "bundle-startup/1", "paths": {"eager": eager}}
+    (tmp_path / "startup.json").write_text(json.dumps(earlier))
+    # The wake path alone starts no server; on the CPU build it is reported unsupported at once.
+    assert startup.main(["--paths", "wake", "--runs", "1", "--out", str(tmp_path), "--merge"]) == 0
+    merged = json.loads((tmp_path / "startup.json").read_text())
+    assert set(merged["paths"]) == {"eager", "wake"}
+    assert merged["paths"]["eager"] == earlier["paths"]["eager"]
