@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from shared.settings import Settings
 
@@ -26,6 +27,9 @@ def serve(settings: Settings) -> None:
 
     from shared.api import create_app
 
+    # The bundle's own start-up lines (engine, request identity) next to uvicorn's.
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("shared").setLevel(settings.log_level.upper())
     uvicorn.run(
         create_app(settings),
         host=settings.host,
