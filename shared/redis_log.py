@@ -156,6 +156,17 @@ class RemoteSubscription:
     def stream(self) -> bool:
         return self._stream
 
+    async def admitted(self) -> None:
+        """Return once the owner accepted the request; raise the 4xx it answered otherwise. A
+        whole answer is the owner's verdict too, so `response` raises it instead."""
+        if not self._stream or self._after > 0:  # events exist only after an admission
+            return
+        async for entries in self._steps(0):
+            _, fields = entries[0]
+            if BODY in fields:
+                raise _stored_error(fields[BODY])
+            return
+
     async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point until [DONE]; an error event if that cannot be."""
         self._metrics.active_streams.inc()
@@ -185,7 +196,7 @@ class RemoteSubscription:
                 if BODY in fields:
                     answer = orjson.loads(fields[BODY])
                     if answer["status"] != 200:
-                        raise StoredError(answer["status"], answer["body"])
+                        raise StoredError(int(answer["status"]), answer["body"])
                     return dict(answer["body"])
         raise EventsGone("the stored answer is gone")  # unreachable: _steps raises or yields
 
@@ -221,3 +232,8 @@ class RemoteSubscription:
 
     def abandon(self) -> None:
         self.close()
+
+
+def _stored_error(raw: bytes) -> StoredError:
+    answer = orjson.loads(raw)
+    return StoredError(int(answer["status"]), answer["body"])

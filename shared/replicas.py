@@ -130,7 +130,9 @@ class Replicas:
 
         def finished(_: asyncio.Task[None]) -> None:
             body = None
-            if not output.stream:
+            if not output.stream or not output.accepted:
+                # A whole answer, or the 4xx of a request refused while rendering its prompt
+                # (a refused stream has no events): readers elsewhere answer with the same.
                 try:
                     body = orjson.dumps({"status": 200, "body": output.response()})
                 except BundleError as error:

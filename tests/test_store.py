@@ -14,7 +14,14 @@ from typing import Any
 import orjson
 import pytest
 
-from shared.errors import EventsGone, IdempotencyConflict, ProducerLost, StoreUnavailable
+from shared.errors import (
+    EventsGone,
+    IdempotencyConflict,
+    InvalidRequest,
+    ProducerLost,
+    StoredError,
+    StoreUnavailable,
+)
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, parse_request
 from shared.redis_log import RemoteSubscription, StreamWriter
@@ -150,6 +157,20 @@ async def test_a_non_streaming_answer_is_the_same_body_on_the_other_replica(redi
     await settle()
     a.engine.step(8)  # type: ignore[attr-defined]
     assert await owner.response() == await waiting
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_a_request_refused_while_rendering_is_refused_alike_on_the_other_replica(
+    redis_server: RedisServer,
+) -> None:
+    a = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)  # "a b" renders to 2 tokens
+    b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)
+    with pytest.raises(InvalidRequest) as here:
+        await (await a.open_shared("chat", chat(), "refused")).admitted()
+    with pytest.raises(StoredError) as there:
+        await (await b.open_shared("chat", chat(), "refused")).admitted()
+    assert there.value.status_code == 400 and there.value.to_openai() == here.value.to_openai()
     await a.aclose()
     await b.aclose()
 
