@@ -125,6 +125,11 @@ class Settings(BaseSettings):
             return json.loads(value)
         return value or None
 
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
+
     @property
     def model_name(self) -> str:
         """The name clients use in the `model` field."""

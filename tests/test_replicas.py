@@ -104,6 +104,23 @@ def replicas(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
             replica.kill()
 
 
+class Reader:
+    """Reads one streaming response in steps: the first events, then (after acting) the rest."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._pieces = response.aiter_raw()
+        self.raw = b""
+
+    async def events(self, count: int) -> None:
+        while self.raw.count(b"\n\n") < count:
+            self.raw += await anext(self._pieces)
+
+    async def rest(self) -> bytes:
+        async for piece in self._pieces:
+            self.raw += piece
+        return self.raw
+
+
 def metric(url: str, name: str, labels: str = "") -> float:
     """Sum of a metric's samples on one replica's /metrics whose labels contain `labels`."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -200,9 +217,10 @@ async def test_cancel_sent_to_b_aborts_the_generation_on_a(replicas: list[Replic
             "POST", f"{a}/v1/chat/completions", json=long_chat(max_tokens=LONG), headers=headers
         ) as stream,
     ):
-        await read_events(stream, 3)
+        reader = Reader(stream)
+        await reader.events(3)
         outcome = await client.post(f"{b}/v1/requests/cancel-on-b/cancel")
-        rest = await stream.aread()
+        rest = await reader.rest()
     assert outcome.status_code == 200 and outcome.json()["status"] == "cancelled"
     assert b'"code":"request_cancelled"' in rest and rest.endswith(b"data: [DONE]\n\n")
     assert metric(a, "bundle_aborted_requests_total", 'reason="cancelled"') - cancelled_before == 1
@@ -259,16 +277,16 @@ async def test_followers_on_b_hear_that_replica_a_died(replicas: list[Replica]) 
         httpx.AsyncClient(timeout=60) as client,
         client.stream("POST", f"{a.url}/v1/chat/completions", json=body, headers=headers) as owner_stream,
     ):
-        await read_events(owner_stream, 2)
-        followers = [
-            client.stream("POST", f"{b.url}/v1/chat/completions", json=body, headers=headers) for _ in range(2)
-        ]
+        await Reader(owner_stream).events(2)
+        url = f"{b.url}/v1/chat/completions"
+        followers = [client.stream("POST", url, json=body, headers=headers) for _ in range(2)]
         async with followers[0] as first, followers[1] as second:
             assert first.status_code == second.status_code == 200
-            await asyncio.gather(read_events(first, 2), read_events(second, 2))
+            readers = [Reader(first), Reader(second)]
+            await asyncio.gather(*(reader.events(2) for reader in readers))
             a.kill()
             killed = time.monotonic()
-            endings = await asyncio.gather(first.aread(), second.aread())
+            endings = await asyncio.gather(*(reader.rest() for reader in readers))
             waited = time.monotonic() - killed
     for ending in endings:
         assert b'"code":"producer_lost"' in ending and ending.endswith(b"data: [DONE]\n\n")
