@@ -54,6 +54,7 @@ class StreamWriter:
         self._finals: Finals = []
         self._new_streams: set[str] = set()
         self._flusher: asyncio.Task[None] | None = None
+        self._failing = False
 
     def append(self, request_id: str, sequence: int, data: bytes) -> None:
         self._events.append((request_id, sequence, data))
@@ -80,9 +81,13 @@ class StreamWriter:
             try:
                 await self._store.write(functools.partial(self._fill, events=events, finals=finals))
             except StoreUnavailable:
-                # Counted in /metrics. Followers see the gap in sequence numbers and say so; the
-                # owner's own readers are unaffected.
-                log.warning("dropped %d events and %d ends: store unavailable", len(events), len(finals))
+                # Counted in /metrics; logged once per outage. Followers see the gap in sequence
+                # numbers and say so; the owner's own readers are unaffected.
+                if not self._failing:
+                    log.warning("store unavailable: events of shared streams are being dropped")
+                self._failing = True
+            else:
+                self._failing = False
 
     def _fill(self, pipe: Any, *, events: Events, finals: Finals) -> int:
         commands = 0
