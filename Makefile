@@ -31,6 +31,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench suite --out bench/results
+	# Start-up per path (empty/warm compile cache, eager; sleep/wake is CUDA only): two starts each.
+	$(PY) -m bench startup --runs 2 --out bench/results
 
 # The shared-prefix workload (a 512-token common prefix, 32 unique tokens), prefix caching on, then off.
 bench-prefix: $(STAMP)

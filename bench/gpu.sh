@@ -33,6 +33,12 @@
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
 # copied to $OUT/<same name>/ with the server logs.
+#   cold start (issue 13), each one command under 10 minutes, results merged into one JSON:
+#      run("bash bench/gpu.sh startup")        # bytecode compiled; empty compile cache x1, warm x3
+#      run("bash bench/gpu.sh startup-eager")  # eager x2, sleep/wake cycles x3 (lifecycle functions)
+#      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
+#      run("bash bench/gpu.sh graphs")         # the same with vLLM's default CUDA graph sizes (512)
+#      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-default-graphs]/sleepwake.json
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -94,6 +100,31 @@ case "$stage" in
     done
     kill "$server" && wait "$server" || true
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
-  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis ttft1 profile"; exit 2 ;;
+  startup|startup-eager|graphs)
+    # A built image ships compiled bytecode; the pip --no-compile install above does not.
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    out=bench/gpu-results/startup work=/tmp/startup-work
+    # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
+    python3 -c "from shared.settings import Settings; from shared.engine import resolve_model_path as r; r(Settings())"
+    case "$stage" in
+      startup)
+        python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out
+        python3 -m bench.startup --paths warm-cache --runs 3 --work $work --out $out --merge ;;
+      startup-eager) python3 -m bench.startup --paths eager,wake --runs 3 --work $work --out $out --merge ;;
+      graphs)  # vLLM's default widths (min(2 x 256, 512)) against the bundle's cap at max_num_seqs
+        export BUNDLE_CUDA_GRAPH_MAX_BATCH=512
+        python3 -m bench.startup --paths warm-cache --runs 2 --work /tmp/startup-work-512 --out $out-default-graphs
+        python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake-default-graphs || true
+        mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake-default-graphs "${OUT:-/tmp/out}/" ;;
+    esac
+    mkdir -p "${OUT:-/tmp/out}/startup/logs" && cp $out/startup.* "${OUT:-/tmp/out}/startup/" 2>/dev/null || true
+    cp -r $out-default-graphs "${OUT:-/tmp/out}/" 2>/dev/null || true
+    cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
+    exit 0 ;;
+  sleepwake)
+    python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
+    mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
+    exit 0 ;;
+  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

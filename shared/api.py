@@ -73,8 +73,10 @@ def create_app(
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not _service(request).healthy():
-            raise EngineUnavailable("the engine is not running")
+        service = _service(request)
+        if not service.ready():
+            asleep = service.healthy()  # alive but not ready: asleep (a snapshot being restored)
+            raise EngineUnavailable("the engine is asleep" if asleep else "the engine is not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -131,7 +131,12 @@ class Service:
             return await self.replicas.cancel(request_id, CANCEL_WAIT_S)  # owned by another replica
 
     def healthy(self) -> bool:
+        """The engine is alive (false once it died: the process should be replaced)."""
         return self.engine.healthy()
+
+    def ready(self) -> bool:
+        """Alive and awake: what a load balancer's health check should see (503 while asleep)."""
+        return self.engine.ready()
 
     def stats(self) -> dict[str, int]:
         """Held requests, running generations, held events and readers (for leak checks)."""
