@@ -75,7 +75,7 @@ def _run_target(
     out: Path,
 ) -> list[dict[str, Any]]:
     port = free_port()
-    env = {**os.environ, "BUNDLE_PORT": str(port), "BUNDLE_REDIS_URL": redis_url or ""}
+    env = {**os.environ, "BUNDLE_PORT": str(port), "BUNDLE_REDIS_URL": redis_url or ""}  # "": no store
     print(f"{target}:", flush=True)
     with running_server(bundle_command(port), port, out / f"{target}.log", env) as pid:
         url = f"http://127.0.0.1:{port}"
