@@ -4,7 +4,7 @@ streams of every replica, in one Redis (or Valkey) database.
 Keys, one deployment per database (a second deployment uses another: redis://host/1):
   bundle:claim:{id}       JSON {fp, owner, stream, state}; SET NX makes the first replica the owner
   bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, b = a whole
-                          non-streaming answer
+                          non-streaming answer or the 4xx of a refused request ({status, body})
   bundle:follow:{id}      exists while a follower on some replica reads (refreshed, short expiry)
   bundle:replica:{rid}    a replica's heartbeat (refreshed, short expiry)
   bundle:cancel:{rid}     pub/sub channel: ids the replica `rid` must abort
