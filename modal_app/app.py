@@ -118,13 +118,17 @@ CONTAINER_ENV: dict[str, str | None] = {
 
 
 def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Secret]:
-    """The API key travels as a Modal Secret: a named one (holding BUNDLE_API_KEY, and HF_TOKEN
-    for gated models), or, if only BUNDLE_API_KEY is set locally, one made from it at deploy."""
+    """The API key (and the Redis URL, which may hold a password) travel as a Modal Secret: a
+    named one (holding BUNDLE_API_KEY, BUNDLE_REDIS_URL, and HF_TOKEN for gated models), or,
+    if they are only set locally, one made from them at deploy."""
     if modal_settings.secret_name:
         return [modal.Secret.from_name(modal_settings.secret_name)]
-    if settings.api_key is not None:
-        return [modal.Secret.from_dict({"BUNDLE_API_KEY": settings.api_key.get_secret_value()})]
-    return []
+    secret = {
+        name: value.get_secret_value()
+        for name, value in (("BUNDLE_API_KEY", settings.api_key), ("BUNDLE_REDIS_URL", settings.redis_url))
+        if value is not None
+    }
+    return [modal.Secret.from_dict(secret)] if secret else []
 
 
 # --- Cold starts: GPU memory snapshots ----------------------------------------------------------

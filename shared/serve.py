@@ -10,6 +10,7 @@ first use), `engine` (vLLM's engine answered), `app` (the API's start-up finishe
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -52,6 +53,9 @@ def serve(settings: Settings) -> None:
     from shared.api import create_app
     from shared.engine import import_vllm, resolve_model_path
 
+    # The bundle's own start-up lines (engine, request identity) next to uvicorn's.
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("shared").setLevel(settings.log_level.upper())
     # vLLM would be imported by the app's start-up anyway; importing it here makes the import
     # cost one phase of its own in the start-up benchmark instead of hiding inside the engine's.
     import_vllm()

@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         16384, ge=16, description="Replay buffer per generation; older events are dropped."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
+    redis_url: SecretStr | None = Field(
+        None,
+        description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
+        "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
+    )
 
     engine_stats_file: Path | None = Field(
         None, description="If set, the engine's running-request count is written here (JSON)."
@@ -143,6 +148,11 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.strip():
             return json.loads(value)
         return value or None
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
     @property
     def model_name(self) -> str:
