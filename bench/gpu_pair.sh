@@ -6,8 +6,9 @@
 #
 #   bash bench/gpu_pair.sh "startup startup-eager" "raw bundle"
 #
-# Logs go to bench/gpu-results/gpu<N>.log; everything under bench/gpu-results/ comes back as one
-# archive, $OUT/gpu-results.tgz (the device tool returns at most 8 files a call).
+# Logs go to bench/gpu-results/gpu<N>.log; everything under bench/gpu-results/ comes back as an
+# archive per GPU, $OUT/gpu<N>.tgz, rewritten after each stage (the device tool returns at most 8
+# files a call, and only what is there when a call is cut at its time limit).
 set -uo pipefail
 first=${1:-} second=${2:-}
 if [ ! -d /tmp/site/vllm ]; then  # install once, before the two lists start
@@ -15,6 +16,8 @@ if [ ! -d /tmp/site/vllm ]; then  # install once, before the two lists start
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
 mkdir -p bench/gpu-results
+results=${OUT:-/tmp/out}
+mkdir -p "$results"
 run_list() {  # run_list GPU STAGES...
   local gpu=$1; shift
   for stage in "$@"; do
@@ -22,6 +25,8 @@ run_list() {  # run_list GPU STAGES...
     # gpu.sh copies each stage's files to $OUT; here that is a folder inside the archive.
     OUT=bench/gpu-results/out$gpu CUDA_VISIBLE_DEVICES=$gpu bash bench/gpu.sh "$stage" \
       || echo "=== GPU $gpu: $stage FAILED"
+    # After every stage, so a call cut at its time limit still returns what finished.
+    tar czf "$results/gpu$gpu.tgz" bench/gpu-results /tmp/startup-work/*.log 2> /dev/null
   done
 }
 # shellcheck disable=SC2086  # the stage lists are meant to split into words
@@ -30,5 +35,3 @@ run_list 0 $first > bench/gpu-results/gpu0.log 2>&1 &
 run_list 1 $second > bench/gpu-results/gpu1.log 2>&1 &
 wait
 tail -n 40 bench/gpu-results/gpu0.log bench/gpu-results/gpu1.log
-mkdir -p "${OUT:-/tmp/out}"
-tar czf "${OUT:-/tmp/out}/gpu-results.tgz" bench/gpu-results /tmp/startup-work/*.log 2> /dev/null
