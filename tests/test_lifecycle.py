@@ -85,7 +85,7 @@ class SleepyLLM:
         assert not self.sleeping, "a request reached a sleeping engine"
         self.generated += 1
         completion = SimpleNamespace(text="x", token_ids=[7], finish_reason="length")
-        yield SimpleNamespace(outputs=[completion], finished=True)
+        yield SimpleNamespace(outputs=[completion], finished=True, num_cached_tokens=0)
 
 
 def sleepy_engine(llm: SleepyLLM, wake_wait_s: float = 5.0) -> VLLMEngine:
@@ -155,3 +155,30 @@ def test_a_slow_wake_up_is_logged_with_its_phases(caplog: Any) -> None:
         asyncio.run(scenario())
     slow = [r for r in caplog.records if r.levelno == logging.WARNING and "slow wake-up" in r.message]
     assert slow and "wake_up" in slow[0].message and "first token" in slow[0].message
+
+
+# --- through the API: /health and a request while the engine sleeps ------------------------------
+def test_the_api_answers_503_on_health_while_asleep_and_a_request_waits_for_the_wake_up() -> None:
+    from fastapi.testclient import TestClient
+
+    from shared.api import create_app
+
+    llm = SleepyLLM()
+    engine = sleepy_engine(llm)
+    app = create_app(Settings(model="tiny", max_num_seqs=4), engine=engine)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+
+    async def wake_later() -> None:
+        await asyncio.sleep(0.3)
+        await engine.wake_up()
+
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        client.portal.call(engine.sleep)
+        asleep = client.get("/health")
+        assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
+        client.portal.start_task_soon(wake_later)
+        answer = client.post("/v1/completions", json=body)  # arrives asleep, served once awake
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == "x" and llm.generated == 1
+        assert client.get("/health").status_code == 200
