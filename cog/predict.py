@@ -80,7 +80,8 @@ class Runner(BaseRunner):
         presence_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
         frequency_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
         stop_sequences: str = Input(
-            default="", description="Comma-separated strings that end the generation (up to 4)."
+            default="",
+            description=f"Comma-separated strings that end the generation (up to {bridge.MAX_STOP_SEQUENCES}).",
         ),
         seed: int | None = Input(
             default=None, ge=0, le=bridge.SEED_MAX, description="Omit for random sampling."
@@ -109,8 +110,6 @@ class Runner(BaseRunner):
             seed=seed,
         )
         # Bad input raises a BundleError here: coglet turns it into a failed prediction.
-        generation = bridge.start_chat(self.service, body, request_id)
-        pieces: Iterator[str] = bridge.stream_text(
-            self.service, generation, self.loop, CancelationException, signal
-        )
+        subscription = await bridge.start_chat(self.service, body, request_id)
+        pieces: Iterator[str] = bridge.stream_text(subscription, self.loop, CancelationException, signal)
         return pieces  # type: ignore[return-value]  # coglet streams a returned sync generator

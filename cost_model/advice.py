@@ -1,17 +1,26 @@
-"""Settings advice for a per-second serverless entry: concurrency, scale-down window, minimum containers."""
+"""Advice: the cheapest setting whose simulated p95 time to first token meets a target.
+
+Candidates span platform (every GPU row of the table), scale-down window, minimum containers and
+concurrency. Their closed-form costs rank them cheaply; the simulation then checks them in that
+order (at most MAX_SIMULATED) for latency and real cost. The table's own rows are candidates too,
+so the pick is never beaten on both cost and p95 by a row of the same output.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from cost_model.billing import Overrides, per_second, resolve_rules
-from cost_model.catalogue import BillingRules, PerSecondEntry
+from cost_model.billing import ModeResult, Overrides, resolve_rules
+from cost_model.catalogue import Catalogue, Entry
+from cost_model.estimate import evaluate, simulate
 from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
-CONCURRENCY_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-WINDOW_CHOICES = (2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
-NEAR_BEST = 1.02  # within 2% of the cheapest counts as "as cheap"
+DEFAULT_P95_TTFT_S = 2.0
+WINDOWS = (5.0, 30.0, 60.0, 300.0, 1200.0)
+CONCURRENCY = (1, 4, 16, 64, 256)
+MAX_SIMULATED = 10
 
 
 @dataclass(frozen=True)
@@ -21,92 +30,122 @@ class Advice:
     reason: str
 
 
-def _cost(entry: PerSecondEntry, rules: BillingRules, w: Workload, s: ServiceProfile, ov: Overrides):
-    return per_second(entry, rules, w, s, ov)
+@dataclass(frozen=True)
+class Candidate:
+    entry: Entry
+    overrides: Overrides
+    result: ModeResult
 
 
-def advise_concurrency(
-    entry: PerSecondEntry, rules: BillingRules, w: Workload, s: ServiceProfile, ov: Overrides
-) -> Advice:
-    results = {c: _cost(entry, rules, w, s, replace(ov, concurrency=c)) for c in CONCURRENCY_CHOICES}
-    best = min(r.cost_per_request for r in results.values())
-    # The smallest limit that is about as cheap keeps per-stream speed highest.
-    pick = next(c for c in CONCURRENCY_CHOICES if results[c].cost_per_request <= best * NEAR_BEST)
-    speed = s.per_stream_rate(min(pick, s.max_measured_concurrency))
-    return Advice(
-        "concurrency per replica",
-        str(pick),
-        f"${results[pick].cost_per_request:.6f}/request, within 2% of the cheapest limit; "
-        f"higher limits save nothing at this load; streams still get ~{speed:.0f} tok/s "
-        f"(limit 1 would cost ${results[1].cost_per_request:.6f}/request)",
+def _concurrency_choices(s: ServiceProfile, flat_ok: bool, current: int) -> list[int]:
+    if len(s.points) == 1 and not flat_ok:
+        return [1]
+    top = s.max_measured_concurrency
+    return sorted({c for c in CONCURRENCY if c <= top} | {current})
+
+
+def _settings(cat: Catalogue, e: Entry, s: ServiceProfile, ov: Overrides, flat_ok: bool) -> list[Overrides]:
+    rules = resolve_rules(cat.rules_for(e), s, ov)
+    if e.kind == "reserved_hourly":
+        return [replace(ov, concurrency=c) for c in _concurrency_choices(s, flat_ok, rules.concurrency)]
+    out = []
+    for c in _concurrency_choices(s, flat_ok, rules.concurrency):
+        for win in sorted(set(WINDOWS) | {rules.window_s}):
+            for m in sorted({0, 1, rules.min_containers}):
+                out.append(replace(ov, concurrency=c, window_s=win, min_containers=m))
+    return out
+
+
+def _label(c: Candidate) -> str:
+    if c.result.mode == "reserved":
+        return f"{c.entry.id}, concurrency {c.overrides.concurrency}"
+    o = c.overrides
+    return (
+        f"{c.entry.id}, concurrency {o.concurrency}, window {o.window_s:g} s, min containers {o.min_containers}"
     )
 
 
-def advise_window(
-    entry: PerSecondEntry,
-    rules: BillingRules,
-    w: Workload,
-    s: ServiceProfile,
-    ov: Overrides,
-    max_cold_fraction: float,
-) -> Advice:
-    results = {win: _cost(entry, rules, w, s, replace(ov, window_s=win)) for win in WINDOW_CHOICES}
-    ok = [win for win in WINDOW_CHOICES if (results[win].cold_start_fraction or 0) <= max_cold_fraction]
-    if ok:
-        pick = min(ok, key=lambda win: results[win].cost_per_day)
-        why = (
-            f"cheapest window keeping cold starts at or under {max_cold_fraction:.0%} of requests "
-            f"({results[pick].cold_start_fraction:.1%}, {results[pick].cold_starts_per_day:.0f}/day)"
-        )
-    else:
-        pick = WINDOW_CHOICES[-1]
-        why = (
-            f"no window keeps cold starts under {max_cold_fraction:.0%} at this rate; the longest one "
-            f"still has {results[pick].cold_start_fraction:.0%} - consider a minimum container"
-        )
-    return Advice("scale-down window", f"{pick:g} s", f"{why}; ${results[pick].cost_per_month:,.2f}/month")
-
-
-def advise_min_containers(
-    entry: PerSecondEntry,
-    rules: BillingRules,
-    w: Workload,
-    s: ServiceProfile,
-    ov: Overrides,
-    max_cold_fraction: float,
-) -> Advice:
-    zero = _cost(entry, rules, w, s, replace(ov, min_containers=0))
-    one = _cost(entry, rules, w, s, replace(ov, min_containers=1))
-    extra = one.cost_per_month - zero.cost_per_month
-    if (zero.cold_start_fraction or 0) <= max_cold_fraction:
-        return Advice(
-            "minimum containers",
-            "0",
-            f"scale to zero already keeps cold starts at {zero.cold_start_fraction:.1%} of requests; "
-            f"one warm container would add ${extra:,.2f}/month",
-        )
-    return Advice(
-        "minimum containers",
-        "1",
-        f"scale to zero cold-starts {zero.cold_start_fraction:.0%} of requests "
-        f"(+{s.cold_start_s:g} s each); a warm container removes most of that for "
-        f"${extra:,.2f}/month more",
+def _describe(c: Candidate) -> str:
+    r = c.result
+    return (
+        f"${r.cost_per_month:,.2f}/month, p95 TTFT {r.ttft.p95:.2f} s, "  # type: ignore[union-attr]
+        f"{r.waited_share:.1%} of requests wait on a start-up"
     )
+
+
+def _search(
+    cat: Catalogue,
+    gpu_rows: list[tuple[Entry, ModeResult]],
+    w: Workload,
+    s: ServiceProfile,
+    ov: Overrides,
+    flat_ok: bool,
+    target: float,
+) -> tuple[list[Candidate], Candidate | None]:
+    seen = [Candidate(e, ov, r) for e, r in gpu_rows]
+    ranked = sorted(
+        (
+            (evaluate(cat, e, w, s, o).cost_per_month, e, o)
+            for e, _ in gpu_rows
+            for o in _settings(cat, e, s, ov, flat_ok)
+        ),
+        key=lambda t: t[0],
+    )
+    budget = MAX_SIMULATED
+    for closed_form_cost, e, o in ranked:
+        # Stop once a simulated setting meets the target for less than every one left could cost.
+        if budget == 0 or any(
+            c.result.ttft.p95 <= target and c.result.cost_per_month <= closed_form_cost  # type: ignore[union-attr]
+            for c in seen
+        ):
+            break
+        seen.append(Candidate(e, o, simulate(cat, e, w, s, o)))
+        budget -= 1
+    meeting = [c for c in seen if c.result.ttft and c.result.ttft.p95 <= target]
+    best = min(meeting, key=lambda c: (c.result.cost_per_month, c.result.ttft.p95), default=None)  # type: ignore[union-attr]
+    return seen, best
 
 
 def advise(
-    entry: PerSecondEntry,
-    rules: BillingRules,
+    cat: Catalogue,
+    rows: list[tuple[Entry, ModeResult]],
     w: Workload,
     s: ServiceProfile,
     ov: Overrides,
-    max_cold_fraction: float = 0.01,
+    flat_ok: bool,
+    target: float,
 ) -> list[Advice]:
-    resolved = resolve_rules(rules, s, ov)
-    conc = advise_concurrency(entry, rules, w, s, ov)
-    tuned = replace(ov, concurrency=int(conc.value), min_containers=resolved.min_containers)
-    return [
-        conc,
-        advise_window(entry, rules, w, s, tuned, max_cold_fraction),
-        advise_min_containers(entry, rules, w, s, tuned, max_cold_fraction),
-    ]
+    gpu_rows = [(e, r) for e, r in rows if r.ttft is not None and math.isfinite(r.ttft.p95)]
+    tips: list[Advice] = []
+    if gpu_rows:
+        seen, best = _search(cat, gpu_rows, w, s, ov, flat_ok, target)
+        if best is None:
+            fastest = min(seen, key=lambda c: c.result.ttft.p95)  # type: ignore[union-attr]
+            tips.append(
+                Advice(
+                    f"p95 TTFT <= {target:g} s",
+                    "not reached",
+                    f"none of {len(seen)} simulated "
+                    f"settings meets it; the fastest is {_label(fastest)}: {_describe(fastest)}",
+                )
+            )
+        else:
+            tips.append(
+                Advice(
+                    f"cheapest with p95 TTFT <= {target:g} s",
+                    _label(best),
+                    f"{_describe(best)} ({len(seen)} settings simulated)",
+                )
+            )
+    tokens = [r for _, r in rows if r.mode == "per-token"]
+    if tokens:
+        cheap = min(tokens, key=lambda r: r.cost_per_month)
+        tips.append(
+            Advice(
+                "per-token API",
+                cheap.entry_id,
+                f"${cheap.cost_per_month:,.2f}/month; its latency is "
+                "the provider's and is not modelled here, so it is shown beside, not ranked",
+            )
+        )
+    return tips

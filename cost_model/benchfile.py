@@ -36,33 +36,51 @@ def _point(level: dict[str, Any]) -> ThroughputPoint | None:
     )
 
 
-def profile_from_bench(data: dict[str, Any], cold_start_s: float | None = None) -> ServiceProfile:
-    """Convert a parsed benchmark document; extra keys are ignored."""
+def _prefill(data: dict[str, Any], points: list[ThroughputPoint]) -> dict[str, float]:
+    """Prompt length the TTFTs were measured at, and a prefill rate from the one-stream TTFT.
+
+    All of the one-stream TTFT is counted as prefill, which makes longer prompts cost at least
+    as much as they really do (a conservative reading of one measured prompt length).
+    """
+    prompt = int((data.get("workload") or {}).get("prompt_tokens") or 0)
+    first = points[0].ttft_s if points else None
+    if prompt <= 0 or not first:
+        return {}
+    return {"prompt_ref_tokens": prompt, "prefill_tokens_per_s": prompt / first}
+
+
+def profile_from_bench(data: dict[str, Any]) -> tuple[ServiceProfile, float | None]:
+    """Convert a parsed benchmark document (extra keys ignored); also its cold_start_s, if any."""
     try:
         name, target = _pick_target(data["targets"])
         levels = target["levels"]
         points = [p for p in (_point(lv) for lv in levels) if p is not None]
         points.sort(key=lambda p: p.concurrency)
-        cold = data.get("cold_start_s") if cold_start_s is None else cold_start_s
-        return ServiceProfile(
+        cold = data.get("cold_start_s")
+        if cold is not None and not (isinstance(cold, int | float) and 0 <= cold <= 3600):
+            raise ValueError(f"cold_start_s must be a number of seconds within 0..3600, got {cold!r}")
+        machine = str(data.get("machine", "?"))
+        profile = ServiceProfile(
             points=tuple(points),
             ttft_s=points[0].ttft_s or 0.0 if points else 0.0,
-            cold_start_s=float(cold or 0.0),
-            label=f"bench {data.get('model', '?')} on {data.get('machine', '?')} ({name})",
+            label=f"bench {data.get('model', '?')} on {machine} ({name})",
+            gpu=machine,
+            **_prefill(data, points),
         )
-    except (KeyError, TypeError, StopIteration, AttributeError) as exc:
+        return profile, None if cold is None else float(cold)
+    except (KeyError, TypeError, StopIteration, AttributeError, OverflowError) as exc:
         raise CostModelError(f"malformed benchmark JSON: missing or wrong field {exc}") from None
     except ValueError as exc:
         raise CostModelError(f"malformed benchmark JSON: {str(exc).splitlines()[0]}") from None
 
 
-def load_bench(path: Path, cold_start_s: float | None = None) -> ServiceProfile:
+def load_bench(path: Path) -> tuple[ServiceProfile, float | None]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CostModelError(f"benchmark file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CostModelError(f"cannot read benchmark file {path}: {exc}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CostModelError(f"cannot read benchmark file {path}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise CostModelError(f"malformed benchmark JSON {path}: top level must be an object")
-    return profile_from_bench(data, cold_start_s)
+    return profile_from_bench(data)

@@ -12,6 +12,7 @@ from cost_model.catalogue import (
     ReservedEntry,
 )
 from cost_model.constants import DAYS_PER_MONTH, HOURS_PER_DAY, SECONDS_PER_DAY, TOKENS_PER_MILLION
+from cost_model.pool import Latency
 from cost_model.queueing import (
     PoolStats,
     Rules,
@@ -35,6 +36,8 @@ class Overrides:
     bills_idle: bool | None = None
     cpu_cores: float = 1.0
     memory_gib: float = 16.0
+    max_containers: int = 1000
+    seed: int = 17
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class ModeResult:
     cold_start_fraction: float | None = None
     working: tuple[str, ...] = field(default=())
     output_tokens: int = 1
+    waited_share: float | None = None  # requests that waited on a container start-up
+    queued_share: float | None = None  # requests that waited because max containers were busy
+    ttft: Latency | None = None
+    e2e: Latency | None = None
 
     @property
     def cost_per_request(self) -> float:
@@ -83,7 +90,9 @@ def _pool(workload: Workload, service: ServiceProfile, rules: Rules) -> list[tup
     cap = effective_concurrency(service, rules.concurrency)
     out = []
     for seg in workload.segments():
-        k, seconds = sharing(seg.rate_per_s, service, workload.output_tokens, cap, seg.poisson)
+        k, seconds = sharing(
+            seg.rate_per_s, service, workload.output_tokens, cap, seg.poisson, workload.prompt_tokens
+        )
         model = poisson_pool if seg.poisson else steady_pool
         out.append((seg.seconds, model(seg.rate_per_s, seconds, k, cap, rules)))
     return out

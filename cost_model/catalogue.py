@@ -12,14 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cost_model.errors import CostModelError
 
 PACKAGED = "data/catalogue.json"
-NonNegative = Annotated[float, Field(ge=0)]
-Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0, le=1e6)]  # bounded: prices and windows, never inf
+Positive = Annotated[float, Field(gt=0, le=1e6)]
 
 
 class BillingRules(BaseModel):
     """What a platform bills and how its autoscaler behaves."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     description: str = ""
     bills_setup: bool
     bills_idle: bool
@@ -34,7 +34,7 @@ class BillingRules(BaseModel):
 
 
 class _EntryBase(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
     id: Annotated[str, Field(min_length=1)]
     platform: Annotated[str, Field(min_length=1)]
     source: Annotated[str, Field(min_length=1)]
@@ -46,6 +46,8 @@ class PerSecondEntry(_EntryBase):
     kind: Literal["per_second"]
     gpu: str
     usd_per_second: Positive
+    # Minimum containers billed at another rate (RunPod "active" workers); None: the same rate.
+    usd_per_second_min_container: Positive | None = None
 
 
 class ReservedEntry(_EntryBase):
@@ -57,6 +59,7 @@ class ReservedEntry(_EntryBase):
 class PerTokenEntry(_EntryBase):
     kind: Literal["per_token"]
     model: str = ""
+    model_params_b: Annotated[float, Field(gt=0)] | None = None  # the model size this price is for
     usd_per_million_input: NonNegative
     usd_per_million_output: NonNegative
 
@@ -117,10 +120,10 @@ def _read_json(path: Path) -> object:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CostModelError(f"catalogue file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CostModelError(f"cannot read catalogue file {path}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise CostModelError(f"malformed catalogue {path}: invalid JSON at line {exc.lineno}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CostModelError(f"cannot read catalogue file {path}: {str(exc).splitlines()[0]}") from None
 
 
 def load_packaged() -> Catalogue:
@@ -150,7 +153,11 @@ def load_override(path: Path, base: Catalogue) -> Catalogue:
         raise CostModelError(f"malformed catalogue {path}: top level must be a JSON object")
     # A user file may refer to platforms defined only in the base catalogue.
     platforms = {k: v.model_dump() for k, v in base.platforms.items()}
-    platforms.update(raw.get("platforms", {}) or {})
+    extra_platforms = raw.get("platforms")
+    extra_platforms = {} if extra_platforms is None else extra_platforms
+    if not isinstance(extra_platforms, dict):
+        raise CostModelError(f"malformed catalogue {path}: 'platforms' must be an object")
+    platforms.update(extra_platforms)
     extra = _validate({"platforms": platforms, "entries": raw.get("entries", [])}, str(path))
     return merge(base, extra)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,14 +12,16 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from cost_model import catalogue as catmod
+from cost_model.advice import DEFAULT_P95_TTFT_S
 from cost_model.analysis import analyse
-from cost_model.benchfile import load_bench
 from cost_model.billing import Overrides
 from cost_model.catalogue import Catalogue, Entry
 from cost_model.errors import CostModelError
+from cost_model.limits import OneLineParser, integer, number
+from cost_model.profile import build_service
 from cost_model.report import render_json, render_text
 from cost_model.scenarios import SCENARIOS, notes_for, scenario
-from cost_model.service import ServiceProfile, from_flags
+from cost_model.startup import DEFAULT_SNAPSHOT_RESTORE_S, SNAPSHOT_RESTORE_SOURCE
 from cost_model.workload import Workload
 
 DESCRIPTION = """\
@@ -47,66 +50,125 @@ examples:
 def _workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     rate = g.add_mutually_exclusive_group()
-    rate.add_argument("--requests-per-day", type=float, help="mean request rate per day")
-    rate.add_argument("--requests-per-hour", type=float, help="mean request rate per hour")
+    rate.add_argument("--requests-per-day", type=number("requests-per-day"), help="mean request rate per day")
+    rate.add_argument(
+        "--requests-per-hour", type=number("requests-per-hour"), help="mean request rate per hour"
+    )
     g.add_argument(
         "--arrival",
         choices=["steady", "poisson", "peak"],
         help="steady: even spacing; poisson: random (default); peak: Poisson with a daily peak",
     )
-    g.add_argument("--peak-factor", type=float, help="peak rate / mean rate (with --arrival peak; default 3)")
-    g.add_argument("--peak-hours", type=float, help="hours per day at the peak rate (default 4)")
-    g.add_argument("--prompt-tokens", type=int, help="input tokens per request (default 200)")
-    g.add_argument("--output-tokens", type=int, help="output tokens per request (default 500)")
+    g.add_argument("--peak-factor", type=number("peak-factor"), help="peak rate / mean rate (default 3)")
+    g.add_argument("--peak-hours", type=number("peak-hours"), help="hours per day at the peak rate (default 4)")
+    g.add_argument(
+        "--prompt-tokens", type=integer("prompt-tokens"), help="input tokens per request (default 200)"
+    )
+    g.add_argument(
+        "--output-tokens", type=integer("output-tokens"), help="output tokens per request (default 500)"
+    )
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("service (measured speed of one replica)")
     g.add_argument("--bench", type=Path, help="benchmark JSON (schema bundle-bench/1); uses targets.bundle")
-    g.add_argument("--tokens-per-s", type=float, help="per-stream decode rate at one stream")
+    g.add_argument("--tokens-per-s", type=number("tokens-per-s"), help="per-stream decode rate at one stream")
+    g.add_argument(
+        "--assume-flat-speed",
+        action="store_true",
+        help="let a single --tokens-per-s point stand for every stream when concurrency > 1 (optimistic)",
+    )
     g.add_argument("--throughput", help="per-stream rate by concurrency, e.g. 1:500,8:400,32:250")
-    g.add_argument("--ttft", type=float, help="time to first token, seconds (default 0.2)")
-    g.add_argument("--cold-start", type=float, help="seconds from cold container to ready (default 30)")
+    g.add_argument(
+        "--ttft", type=number("ttft"), help="time to first token at a zero-token prompt (default 0.2)"
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=number("prefill-tokens-per-s"),
+        help="prompt tokens per second added to TTFT (default: from --bench, else 10,000, an assumption)",
+    )
+    s = p.add_argument_group(
+        "start-up (never silently 0)",
+        "Start-up seconds come from --cold-start, else --startup FILE, else the benchmark JSON's "
+        "cold_start_s, else a stated default (38 s: the bundle's warm-compile-cache H200 start). "
+        "FILE is the start-up benchmark's JSON (schema bundle-startup/1, e.g. bench/results-h200/startup.json "
+        "from `python -m bench startup`): its paths.<name>.first_token_s.median is used.",
+    )
+    s.add_argument("--cold-start", type=number("cold-start"), help="seconds from cold container to first token")
+    s.add_argument("--startup", type=Path, metavar="FILE", help="start-up benchmark JSON (bundle-startup/1)")
+    s.add_argument(
+        "--startup-path",
+        metavar="NAME",
+        help="path in FILE for cold starts: empty-cache, warm-cache or eager "
+        "(default: the fastest non-snapshot)",
+    )
+    s.add_argument(
+        "--snapshot-restore-s",
+        type=number("snapshot-restore-s"),
+        default=DEFAULT_SNAPSHOT_RESTORE_S,
+        help=f"platform restore time added to FILE's 'wake' path (default {DEFAULT_SNAPSHOT_RESTORE_S:g} s: "
+        f"{SNAPSHOT_RESTORE_SOURCE})",
+    )
 
 
 def _platform_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("platform and prices")
-    g.add_argument("--gpu", help="GPU class the service speed was measured on (default A100-80GB)")
+    g.add_argument(
+        "--gpu", help="GPU class to price (default A100-80GB); warned when it differs from the bench's"
+    )
+    g.add_argument(
+        "--model-params-b",
+        type=number("model-params-b"),
+        default=8.0,
+        help="served model size, billions of parameters: picks per-token rows priced for it (default 8)",
+    )
     g.add_argument("--entries", help="comma-separated catalogue ids to compare (overrides --gpu selection)")
     g.add_argument(
         "--catalogue",
         type=Path,
         help="JSON file whose platforms/entries replace or extend the catalogue",
     )
-    g.add_argument("--price-per-second", type=float, help="add entry custom-per-second at this USD/s")
+    g.add_argument("--price-per-second", type=number("price-per-second"), help="add custom-per-second at USD/s")
     g.add_argument("--platform", default="modal", help="billing rules for custom-per-second (default modal)")
-    g.add_argument("--price-per-hour", type=float, help="add entry custom-reserved at this USD/hour")
-    g.add_argument("--price-per-request", type=float, help="add entry custom-per-request at this USD")
+    g.add_argument("--price-per-hour", type=number("price-per-hour"), help="add custom-reserved at USD/hour")
+    g.add_argument(
+        "--price-per-request", type=number("price-per-request"), help="add custom-per-request at USD"
+    )
     g.add_argument("--price-per-million-tokens", help="add entry custom-per-token: IN,OUT USD per million")
-    g.add_argument("--concurrency", type=int, help="max concurrent streams per replica (platform default 1)")
-    g.add_argument("--scaledown-window", type=float, help="seconds an idle replica stays up (platform default)")
-    g.add_argument("--min-containers", type=int, help="replicas kept up all day (default 0)")
+    g.add_argument(
+        "--concurrency", type=integer("concurrency"), help="max streams per replica (platform default 1)"
+    )
+    g.add_argument("--scaledown-window", type=number("scaledown-window"), help="idle seconds before scale-down")
+    g.add_argument(
+        "--min-containers", type=integer("min-containers"), help="replicas kept up all day (default 0)"
+    )
+    g.add_argument(
+        "--max-containers", type=integer("max-containers"), default=1000, help="replica limit (default 1000)"
+    )
     g.add_argument(
         "--billed",
         help="what serverless bills, e.g. active or setup,idle,active (platform default)",
     )
     g.add_argument(
         "--cpu-cores",
-        type=float,
+        type=number("cpu-cores"),
         default=1.0,
         help="CPU cores reserved per replica (Modal; default 1)",
     )
-    g.add_argument("--memory-gib", type=float, default=16.0, help="memory GiB per replica (Modal; default 16)")
     g.add_argument(
-        "--max-cold-fraction",
-        type=float,
-        default=0.01,
-        help="cold starts per request the advice tolerates (default 0.01)",
+        "--memory-gib", type=number("memory-gib"), default=16.0, help="memory GiB per replica (default 16)"
     )
+    g.add_argument(
+        "--p95-ttft-s",
+        type=number("p95-ttft-s"),
+        default=DEFAULT_P95_TTFT_S,
+        help=f"latency target for the advice: p95 time to first token (default {DEFAULT_P95_TTFT_S:g} s)",
+    )
+    g.add_argument("--seed", type=integer("seed"), default=17, help="simulation seed (default 17)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m cost_model",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -142,10 +204,11 @@ def _fill(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": 200,
         "output_tokens": 500,
         "ttft": 0.2,
-        "cold_start": 30.0,
         "gpu": "A100-80GB",
     }
     merged = {**defaults, **scenario(args.scenario)}
+    if args.scenario and "cold_start" in merged:
+        merged["_cold_source"] = f"the {args.scenario} scenario's figure"
     merged.update({k: v for k, v in vars(args).items() if v is not None})
     if args.requests_per_hour is not None:
         merged["requests_per_day"] = args.requests_per_hour * 24
@@ -168,13 +231,6 @@ def make_workload(v: dict[str, Any]) -> Workload:
     return Workload(**{f: v[f] for f in fields})
 
 
-def make_service(v: dict[str, Any]) -> ServiceProfile:
-    if v.get("bench") is not None:
-        cold = v["cold_start"] if "cold_start" in v and v.get("_cold_given") else None
-        return load_bench(v["bench"], cold)
-    return from_flags(v.get("tokens_per_s"), v.get("throughput"), v["ttft"], v["cold_start"])
-
-
 def _billed(text: str | None) -> tuple[bool | None, bool | None]:
     if text is None:
         return None, None
@@ -185,13 +241,10 @@ def _billed(text: str | None) -> tuple[bool | None, bool | None]:
 
 
 def make_overrides(v: dict[str, Any]) -> Overrides:
-    for name in ("concurrency", "min_containers"):
-        if v.get(name) is not None and v[name] < (1 if name == "concurrency" else 0):
-            raise CostModelError(f"--{name.replace('_', '-')} is out of range: {v[name]}")
-    if v.get("scaledown_window") is not None and v["scaledown_window"] < 0:
-        raise CostModelError("--scaledown-window must be >= 0 seconds")
-    if v["cpu_cores"] < 0 or v["memory_gib"] < 0 or not 0 <= v["max_cold_fraction"] <= 1:
-        raise CostModelError("--cpu-cores/--memory-gib must be >= 0 and --max-cold-fraction within 0..1")
+    if (v.get("min_containers") or 0) > v["max_containers"]:
+        raise CostModelError(
+            f"--min-containers {v['min_containers']} exceeds --max-containers {v['max_containers']}"
+        )
     setup, idle = _billed(v.get("billed"))
     return Overrides(
         concurrency=v.get("concurrency"),
@@ -201,6 +254,8 @@ def make_overrides(v: dict[str, Any]) -> Overrides:
         bills_idle=idle,
         cpu_cores=v["cpu_cores"],
         memory_gib=v["memory_gib"],
+        max_containers=v["max_containers"],
+        seed=v["seed"],
     )
 
 
@@ -244,6 +299,8 @@ def _custom_entries(v: dict[str, Any]) -> list[dict[str, Any]]:
             tin, tout = (float(x) for x in v["price_per_million_tokens"].split(","))
         except ValueError:
             raise CostModelError("--price-per-million-tokens wants IN,OUT, e.g. 0.05,0.25") from None
+        if not all(math.isfinite(x) and 0 <= x <= 1000 for x in (tin, tout)):
+            raise CostModelError("--price-per-million-tokens values must be finite and within 0..1000 USD")
         out.append(
             {
                 **base,
@@ -276,26 +333,46 @@ def select_entries(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> 
         return [cat.entry(e.strip()) for e in v["entries"].split(",") if e.strip()]
     if v["gpu"] not in cat.gpus():
         raise CostModelError(f"unknown GPU '{v['gpu']}' (known: {', '.join(cat.gpus())})")
-    chosen = [
+    size = v["model_params_b"]
+
+    def fits(e: Entry) -> bool:
+        # A per-token price is for one model size: keep rows for this size up to a 2x larger tier.
+        params = getattr(e, "model_params_b", None)
+        return params is None or size <= params <= 2 * size
+
+    return [
         e
         for e in cat.entries
         if (e.kind in catmod.GPU_KINDS and e.gpu == v["gpu"])  # type: ignore[union-attr]
-        or e.kind in ("per_token", "per_request")
+        or (e.kind == "per_token" and fits(e))
+        or e.kind == "per_request"
         or e.id in custom_ids
     ]
-    return chosen
 
 
 def run_estimate(args: argparse.Namespace, console: Console) -> None:
     v = _fill(args)
-    v["_cold_given"] = args.cold_start is not None
-    workload, service = make_workload(v), make_service(v)
+    if args.cold_start is not None:
+        v["_cold_source"] = "--cold-start"
+    workload = make_workload(v)
+    service, service_notes, snapshot = build_service(v)
     overrides = make_overrides(v)
     cat, custom_ids = make_catalogue(v)
     entries = select_entries(cat, v, custom_ids)
-    an = analyse(cat, entries, workload, service, overrides, v["max_cold_fraction"], notes_for(args.scenario))
+    notes = notes_for(args.scenario) + service_notes
+    an = analyse(
+        cat,
+        entries,
+        workload,
+        service,
+        overrides,
+        notes,
+        v["p95_ttft_s"],
+        bool(v.get("assume_flat_speed")),
+        snapshot,
+    )
     if args.json:
-        print(render_json(an))
+        print(render_json(an, inputs_used(v), cat))
     else:
         render_text(an, console)
     if args.plot is not None:
@@ -306,12 +383,18 @@ def run_estimate(args: argparse.Namespace, console: Console) -> None:
 
 def _price_text(entry: Any) -> str:
     if entry.kind == "per_second":
-        return f"${entry.usd_per_second}/s"
+        pinned = entry.usd_per_second_min_container
+        return f"${entry.usd_per_second}/s" + (f" (min containers ${pinned}/s)" if pinned else "")
     if entry.kind == "reserved_hourly":
         return f"${entry.usd_per_hour}/h"
     if entry.kind == "per_token":
         return f"${entry.usd_per_million_input}/${entry.usd_per_million_output} per M"
     return f"${entry.usd_per_request}/req"
+
+
+def _model_text(e: Any) -> str:
+    params = getattr(e, "model_params_b", None)
+    return f"{getattr(e, 'model', '')}" + (f" [{params:g}B]" if params else "")
 
 
 def run_catalogue(args: argparse.Namespace, console: Console) -> None:
@@ -321,19 +404,29 @@ def run_catalogue(args: argparse.Namespace, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title="price catalogue")
-    for col in ("id", "kind", "gpu/model", "price", "read on", "source"):
+    for col in ("id", "kind", "gpu/model", "price", "read on", "source", "note"):
         table.add_column(col, overflow="fold")
     for e in cat.entries:
         price = _price_text(e)
         table.add_row(
             e.id,
             e.kind,
-            getattr(e, "gpu", None) or getattr(e, "model", ""),
+            getattr(e, "gpu", None) or _model_text(e),
             price,
             e.read_on,
             e.source,
+            e.note,
         )
     console.print(table)
+
+
+def inputs_used(v: dict[str, Any]) -> dict[str, Any]:
+    """Every input in force (flags, scenario, defaults), JSON-safe, for --json."""
+    return {
+        k: (str(x) if isinstance(x, Path) else x)
+        for k, x in sorted(v.items())
+        if not k.startswith("_") and k not in ("command", "json", "plot") and x is not None
+    }
 
 
 def one_line(exc: Exception) -> str:
@@ -345,9 +438,14 @@ def one_line(exc: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # bad flags: OneLineParser has printed the one line already
+        if exc.code in (0, None):
+            raise
+        return 2
     # Wide enough for the table when piped to a file (rich falls back to 80 columns).
-    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console = Console() if sys.stdout.isatty() else Console(width=210)
     try:
         if args.command == "estimate":
             run_estimate(args, console)
@@ -357,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             from cost_model.bench_sweep import main as sweep_main
 
             sweep_main()
-    except (CostModelError, ValidationError) as exc:
+    except (CostModelError, ValidationError, RecursionError, OverflowError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     return 0

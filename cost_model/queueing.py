@@ -62,20 +62,20 @@ def _occupancy(load: float, poisson: bool) -> float:
 
 
 def sharing(
-    rate: float, service: ServiceProfile, output_tokens: int, cap: int, poisson: bool
+    rate: float, service: ServiceProfile, output_tokens: int, cap: int, poisson: bool, prompt_tokens: int = 0
 ) -> tuple[float, float]:
     """Solve k = min(cap, occupancy(rate x S(k))): streams slow each other down, which raises load.
 
     Each step is monotone in k, so iterating from k = 1 climbs to the smallest fixed point.
     """
     k = 1.0
-    seconds = service.request_seconds(k, output_tokens)
+    seconds = service.request_seconds(k, output_tokens, prompt_tokens)
     for _ in range(60):
         nxt = min(float(cap), _occupancy(rate * seconds, poisson))
         if abs(nxt - k) < 1e-10:
             break
         k = nxt
-        seconds = service.request_seconds(k, output_tokens)
+        seconds = service.request_seconds(k, output_tokens, prompt_tokens)
     return k, seconds
 
 

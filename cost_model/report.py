@@ -9,6 +9,23 @@ from rich.console import Console
 from rich.table import Table
 
 from cost_model.analysis import Analysis
+from cost_model.billing import ModeResult
+from cost_model.catalogue import Catalogue
+
+JSON_SCHEMA = "cost-estimate/2"
+COLUMNS = (
+    "entry",
+    "mode",
+    "billed s/day",
+    "peak ctrs",
+    "starts/day",
+    "waited on start",
+    "TTFT p50/p95/p99 s",
+    "e2e p50/p95/p99 s",
+    "$/request",
+    "$/M out tok",
+    "$/month",
+)
 
 
 def _money(x: float) -> str:
@@ -19,23 +36,19 @@ def _opt(x: float | int | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _lat(r: ModeResult, which: str) -> str:
+    lat = getattr(r, which)
+    return "-" if lat is None else f"{lat.p50:.2f}/{lat.p95:.2f}/{lat.p99:.2f}"
+
+
 def results_table(an: Analysis) -> Table:
+    w = an.workload
     table = Table(
-        title=f"Cost at {an.workload.requests_per_day:,.0f} requests/day "
-        f"({an.workload.arrival.value}), {an.workload.prompt_tokens} in / "
-        f"{an.workload.output_tokens} out tokens",
+        title=f"Cost at {w.requests_per_day:,.0f} requests/day ({w.arrival.value}), "
+        f"{w.prompt_tokens} in / {w.output_tokens} out tokens (GPU rows simulated)",
         title_justify="left",
     )
-    for col in (
-        "entry",
-        "mode",
-        "billable s/day",
-        "replicas@peak",
-        "cold starts/day",
-        "$/request",
-        "$/M out tok",
-        "$/month",
-    ):
+    for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("entry", "mode") else "right")
     for r in sorted(an.results, key=lambda r: r.cost_per_day):
         table.add_row(
@@ -44,6 +57,9 @@ def results_table(an: Analysis) -> Table:
             _opt(r.billable_seconds_per_day, ",.0f"),
             _opt(r.replicas_at_peak, "d"),
             _opt(r.cold_starts_per_day, ",.1f"),
+            _opt(r.waited_share, ".1%"),
+            _lat(r, "ttft"),
+            _lat(r, "e2e"),
             _money(r.cost_per_request),
             _money(r.cost_per_million_output),
             _money(r.cost_per_month),
@@ -54,13 +70,13 @@ def results_table(an: Analysis) -> Table:
 def render_text(an: Analysis, console: Console) -> None:
     for note in an.notes:
         console.print(note, highlight=False)
-    console.print(f"service: {an.service.label}; cold start {an.service.cold_start_s:g} s", highlight=False)
+    console.print(f"service: {an.service.label}", highlight=False)
     console.print(results_table(an))
     console.print("[bold]Working[/bold]")
     for r in sorted(an.results, key=lambda r: r.cost_per_day):
         for line in r.working:
             console.print(f"  {r.entry_id}: {line}", highlight=False)
-    console.print("[bold]Break-even rates between the cheapest entry of each mode[/bold]")
+    console.print("[bold]Break-even rates between the cheapest entry of each mode (closed forms)[/bold]")
     if not an.break_evens:
         console.print("  none between 10 and 10,000,000 requests/day", highlight=False)
     for be in an.break_evens:
@@ -70,41 +86,71 @@ def render_text(an: Analysis, console: Console) -> None:
             f"{_money(be.monthly_cost)}/month{kind}",
             highlight=False,
         )
+    if an.snapshot:
+        console.print("[bold]GPU snapshots instead of cold starts, per month[/bold]")
+        for line in an.snapshot:
+            console.print(f"  {line}", highlight=False)
     if an.advice:
-        console.print(f"[bold]Advice for {an.advice_for}[/bold]")
+        console.print("[bold]Advice[/bold]")
         for tip in an.advice:
             console.print(f"  {tip.setting}: {tip.value} - {tip.reason}", highlight=False)
 
 
-def to_dict(an: Analysis) -> dict[str, Any]:
+def _latency(lat: Any) -> dict[str, float] | None:
+    return None if lat is None else {"p50": lat.p50, "p95": lat.p95, "p99": lat.p99}
+
+
+def _row(r: ModeResult, cat: Catalogue) -> dict[str, Any]:
+    entry = cat.entry(r.entry_id)
     return {
-        "workload": an.workload.model_dump(mode="json"),
-        "service": {
-            "label": an.service.label,
-            "cold_start_s": an.service.cold_start_s,
-            "points": [p.model_dump() for p in an.service.points],
+        "entry": r.entry_id,
+        "platform": r.platform,
+        "mode": r.mode,
+        "price_source": entry.source,
+        "price_read_on": entry.read_on,
+        "price_note": entry.note,
+        "billable_seconds_per_day": r.billable_seconds_per_day,
+        "peak_containers": r.replicas_at_peak,
+        "starts_per_day": r.cold_starts_per_day,
+        "waited_on_startup_share": r.waited_share,
+        "queued_on_max_containers_share": r.queued_share,
+        "ttft_s": _latency(r.ttft),
+        "e2e_s": _latency(r.e2e),
+        "cost_per_request": r.cost_per_request,
+        "cost_per_million_output_tokens": r.cost_per_million_output,
+        "cost_per_day": r.cost_per_day,
+        "cost_per_month": r.cost_per_month,
+        "working": list(r.working),
+    }
+
+
+def to_dict(an: Analysis, inputs: dict[str, Any], cat: Catalogue) -> dict[str, Any]:
+    s = an.service
+    return {
+        "schema": JSON_SCHEMA,
+        "inputs": inputs,
+        "assumptions": {
+            "workload": an.workload.model_dump(mode="json"),
+            "service": {
+                "label": s.label,
+                "cold_start_s": s.cold_start_s,
+                "cold_start_source": s.cold_start_source,
+                "prompt_ref_tokens": s.prompt_ref_tokens,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "points": [p.model_dump() for p in s.points],
+            },
+            "simulation": {"seed": an.overrides.seed, "max_containers": an.overrides.max_containers},
+            "p95_ttft_target_s": an.p95_target_s,
         },
-        "results": [
-            {
-                "entry": r.entry_id,
-                "platform": r.platform,
-                "mode": r.mode,
-                "billable_seconds_per_day": r.billable_seconds_per_day,
-                "replicas_at_peak": r.replicas_at_peak,
-                "cold_starts_per_day": r.cold_starts_per_day,
-                "cost_per_request": r.cost_per_request,
-                "cost_per_million_output_tokens": r.cost_per_million_output,
-                "cost_per_day": r.cost_per_day,
-                "cost_per_month": r.cost_per_month,
-                "working": list(r.working),
-            }
-            for r in an.results
-        ],
+        "results": [_row(r, cat) for r in an.results],
         "break_evens": [be.__dict__ for be in an.break_evens],
-        "advice": {"entry": an.advice_for, "items": [t.__dict__ for t in an.advice]},
+        "snapshot": an.snapshot,
+        "advice": [t.__dict__ for t in an.advice],
         "notes": an.notes,
     }
 
 
-def render_json(an: Analysis) -> str:
-    return orjson.dumps(to_dict(an), option=orjson.OPT_INDENT_2).decode()
+def render_json(an: Analysis, inputs: dict[str, Any], cat: Catalogue) -> str:
+    return orjson.dumps(
+        to_dict(an, inputs, cat), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+    ).decode()

@@ -33,7 +33,7 @@ class Segment:
 class Workload(BaseModel):
     """Requests per day, how they arrive, and how big each one is."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
     requests_per_day: Annotated[float, Field(gt=0)]
     arrival: Arrival = Arrival.POISSON
     peak_factor: Annotated[float, Field(ge=1)] = 3.0

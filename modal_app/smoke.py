@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from shared.client import ResumableClient
 from modal_app.settings import ModalSettings
+from shared.client import ResumableClient
 from shared.settings import Settings
 
 SMOKE_PROMPT = "In three sentences, why does continuous batching make GPU inference cheaper?"
@@ -89,7 +89,9 @@ async def run_smoke(
     modal_settings = modal_settings or ModalSettings()
     timeout = httpx.Timeout(30.0, read=float(modal_settings.startup_timeout_s))
     headers = auth_headers(settings, modal_settings)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, follow_redirects=True) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=timeout, follow_redirects=True
+    ) as http:
         await wait_healthy(http, health_timeout_s or modal_settings.startup_timeout_s)
         async with ResumableClient(base_url, http=http) as client:
             return await _timed_stream(client, settings.model_name, prompt, max_tokens)

@@ -6,7 +6,7 @@ import asyncio
 import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -25,11 +25,13 @@ from shared.errors import (
     RequestTooLarge,
     Unauthorized,
 )
-from shared.generation import Generation
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from shared.service import Service
+from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import Kind
+
+if TYPE_CHECKING:
+    from shared.replicas import Opened
 
 EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 PUBLIC_PATHS = frozenset({"/health"})
@@ -71,8 +73,10 @@ def create_app(
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not _service(request).engine.healthy():
-            raise EngineUnavailable("the engine is not running")
+        service = _service(request)
+        if not service.ready():
+            asleep = service.healthy()  # alive but not ready: asleep (a snapshot being restored)
+            raise EngineUnavailable("the engine is asleep" if asleep else "the engine is not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -82,15 +86,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        service = _service(request)
-        card = {
-            "id": settings.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "vllm-serverless-bundle",
-            "max_model_len": service.engine.info.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [_service(request).model_card()]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -104,11 +100,8 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request: Request, request_id: str) -> Response:
-        generation = _service(request).registry.cancel(request_id)
-        if generation.task is not None and not generation.done:
-            await asyncio.wait({generation.task}, timeout=5)
-        state = "cancelled" if generation.error is not None else "completed"
-        return JSONResponse({"id": request_id, "object": "request.cancel", "status": state})
+        outcome = await _service(request).cancel(request_id)
+        return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
 
 
 def _service(request: Request) -> Service:
@@ -140,17 +133,17 @@ async def _read_json(request: Request, settings: Settings) -> Any:
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
     request_id = request.headers.get("x-request-id") or None
-    last_event_id = _last_event_id(request)
-    if last_event_id is not None and request_id is None:
-        raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
-    generation = service.admit(kind, body, request_id, resume=last_event_id is not None)
+    subscription = await service.open_shared(kind, body, request_id, _last_event_id(request))
+    try:
+        await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
+    except BaseException:
+        subscription.close()
+        raise
     headers = {"X-Request-Id": request_id} if request_id else {}
-    if not generation.stream:
-        return await _whole_response(service, generation, headers)
-    after = last_event_id or 0
-    generation.check_resumable(after)
-    service.registry.attach(generation)
-    return EventStreamResponse(_stream(service, generation, after), headers={**SSE_HEADERS, **headers})
+    if not subscription.stream:
+        return await _whole_response(subscription, headers)
+    coalesce_s = service.settings.stream_coalesce_ms / 1000
+    return EventStreamResponse(subscription.events(coalesce_s), headers={**SSE_HEADERS, **headers})
 
 
 def _last_event_id(request: Request) -> int | None:
@@ -162,25 +155,12 @@ def _last_event_id(request: Request) -> int | None:
     return int(raw)
 
 
-async def _whole_response(service: Service, generation: Generation, headers: dict[str, str]) -> Response:
-    service.registry.attach(generation)
+async def _whole_response(subscription: Subscription | Opened, headers: dict[str, str]) -> Response:
     try:
-        await generation.wait()
+        body = await subscription.response()
     finally:
-        service.registry.detach(generation)
-    return JSONResponse(generation.response(), headers=headers)
-
-
-async def _stream(service: Service, generation: Generation, after: int) -> AsyncIterator[bytes]:
-    metrics = service.metrics
-    metrics.active_streams.inc()
-    try:
-        async for chunk in generation.follow(after, service.settings.stream_coalesce_ms / 1000):
-            yield chunk
-    finally:
-        # Runs on normal end, on disconnect (cancellation) and on send failures alike.
-        metrics.active_streams.dec()
-        service.registry.detach(generation)
+        subscription.close()
+    return JSONResponse(body, headers=headers)
 
 
 class EventStreamResponse(StreamingResponse):

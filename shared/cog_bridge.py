@@ -24,30 +24,41 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from typing import Any
 
 from shared.errors import Cancelled
-from shared.generation import Generation
-from shared.protocol import ChatCompletionRequest, parse_request
-from shared.service import Service
+from shared.protocol import (
+    MAX_STOP_SEQUENCES,
+    PENALTY_RANGE,
+    REQUEST_ID_MAX_LENGTH,
+    SEED_MAX,
+    TEMPERATURE_RANGE,
+    ChatCompletionRequest,
+    parse_request,
+)
+from shared.service import Service, Subscription
 from shared.settings import Settings
+
+__all__ = [  # the protocol's bounds, re-exported for cog/predict.py's Input() declarations
+    "MAX_STOP_SEQUENCES",
+    "PENALTY_RANGE",
+    "REQUEST_ID_MAX_LENGTH",
+    "SEED_MAX",
+    "TEMPERATURE_RANGE",
+]
 
 log = logging.getLogger(__name__)
 
 # --- input bounds --------------------------------------------------------------------------
-# The runner's Input(ge=, le=) bounds. They come from the core's *defaults*, not from this
-# process's environment: the bounds end up in `.cog/openapi_schema.json`, a build artefact that
-# must not change with the machine that generated it. A deploy that lowers a limit through
-# BUNDLE_* still gets it enforced by the core at admission (a failed prediction saying why).
+# The runner's Input(ge=, le=) bounds. The sampling bounds are the protocol's own constants; the
+# token limits come from the core's *defaults*, not from this process's environment: the bounds
+# end up in `.cog/openapi_schema.json`, a build artefact that must not change with the machine
+# that generated it. A deploy that lowers a limit through BUNDLE_* still gets it enforced by the
+# core at admission (a failed prediction saying why).
 _DEFAULTS = Settings.model_fields
 MAX_TOKENS_LIMIT: int = _DEFAULTS["max_tokens_limit"].default
 DEFAULT_MAX_TOKENS: int = _DEFAULTS["default_max_tokens"].default
-TEMPERATURE_RANGE = (0.0, 2.0)  # shared.protocol's bounds for the OpenAI fields of the same name
-# shared.protocol takes top_p in (0, 1]. Cog's Input has only inclusive bounds (ge/le), so the
+# The protocol takes top_p in (0, 1]. Cog's Input has only inclusive bounds (ge/le), so the
 # schema's floor is the smallest value we accept rather than 0: 0 gets 422, never the engine.
 TOP_P_MIN = 0.001
-PENALTY_RANGE = (-2.0, 2.0)
-TOP_K_MAX = 1_000_000  # any vocabulary; 0 means "off"
-SEED_MAX = 2**63 - 1
-MAX_STOP_SEQUENCES = 4
-REQUEST_ID_MAX_LENGTH = 256
+TOP_K_MAX = 1_000_000  # the protocol has no upper bound (any vocabulary); Cog's schema wants one
 
 
 def runner_settings(weights: str | None, base: Settings | None = None) -> Settings:
@@ -215,27 +226,20 @@ def current_cancel_signal(*, under_coglet: bool) -> CancelSignal | None:
 
 
 # --- a generation as a blocking iterator ------------------------------------------------------
-def start_chat(service: Service, body: ChatCompletionRequest, request_id: str | None) -> Generation:
-    """Admit (or re-attach to, same request_id) a generation; call on the engine's loop."""
-    generation = service.admit("chat", body, request_id or None)
-    service.registry.attach(generation)
-    return generation
+async def start_chat(service: Service, body: ChatCompletionRequest, request_id: str | None) -> Subscription:
+    """Open (or re-attach to, same request_id) a generation and wait until its prompt passed
+    every check (bad input raises here: a failed prediction); run on the engine's loop."""
+    subscription = service.open("chat", body, request_id or None)
+    try:
+        await subscription.admitted()
+    except BaseException:
+        subscription.close()
+        raise
+    return subscription
 
 
-async def _next_chunk(pieces: AsyncIterator[str], generation: Generation, taken: int) -> tuple[str, int]:
-    """The next piece, joined with every piece already generated after it (one hop, one send).
-
-    A stream whose reader keeps up gets one token per chunk; one that falls behind (a loaded
-    host) gets its backlog at once, so the slot thread and coglet's IPC do not spin per token
-    while the GIL is scarce. `taken` counts the pieces read so far; `follow_text` never waits
-    while more are held, so draining up to `len(text_parts)` does not block.
-    """
-    parts = [await pieces.__anext__()]
-    taken += 1
-    while taken < len(generation.text_parts):
-        parts.append(await pieces.__anext__())
-        taken += 1
-    return "".join(parts), taken
+async def _next(pieces: AsyncIterator[str]) -> str:
+    return await anext(pieces)
 
 
 async def _close(pieces: AsyncIterator[str]) -> None:
@@ -245,28 +249,28 @@ async def _close(pieces: AsyncIterator[str]) -> None:
 
 
 def stream_text(
-    service: Service,
-    generation: Generation,
+    subscription: Subscription,
     loop: asyncio.AbstractEventLoop,
     cancelled: Callable[[], BaseException],
     signal: CancelSignal | None = None,
 ) -> Iterator[str]:
     """Yield the generation's text as it grows; run in a thread other than `loop`'s.
 
+    Each item is everything generated since the previous one: a reader that keeps up gets one
+    token per item; one that falls behind (a loaded host) gets its backlog at once, so the slot
+    thread and coglet's IPC do not spin per token while the GIL is scarce.
     Any early exit (a cancel, the consumer closing us, an error while sending) aborts the
     engine request; the subscription is always released. `cancelled()` builds the exception
     raised when the generation ends because of a cancel (the runner passes Cog's).
     """
-    registry = service.registry
     if signal is not None:
-        signal.add(lambda: loop.call_soon_threadsafe(registry.abort, generation, "cancelled"))
-    pieces = generation.follow_text()
-    taken = 0
+        signal.add(lambda: loop.call_soon_threadsafe(subscription.abandon))
+    pieces = subscription.text()
     complete = False
     try:
         while True:
             try:
-                piece, taken = _plain_submit(_next_chunk(pieces, generation, taken), loop).result()
+                piece = _plain_submit(_next(pieces), loop).result()
             except StopAsyncIteration:
                 complete = True
                 return
@@ -274,9 +278,7 @@ def stream_text(
                 raise cancelled() from exc
             yield piece
     finally:
-        if not complete:
-            loop.call_soon_threadsafe(registry.abort, generation, "cancelled")
-        loop.call_soon_threadsafe(registry.detach, generation)
+        loop.call_soon_threadsafe(subscription.close if complete else subscription.abandon)
         _plain_submit(_close(pieces), loop)  # fire and forget: nothing waits on it
 
 
@@ -287,7 +289,7 @@ def engine_healthy(service: Service) -> bool:
     No hop onto the engine's loop: coglet's worker waits for the answer before it dispatches
     the next prediction, and Replicate probes health all the time, so a check queued behind a
     busy loop would delay predictions (and could time out into UNHEALTHY under load)."""
-    if service.engine.healthy():
+    if service.healthy():
         return True
     log.error("engine health check failed: the engine is not running")
     return False

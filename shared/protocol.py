@@ -13,8 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from shared.errors import InvalidRequest
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+# The bounds of the sampling fields, named once: the Cog runner's inputs are built from these.
+TEMPERATURE_RANGE = (0.0, 2.0)
+PENALTY_RANGE = (-2.0, 2.0)
+SEED_MAX = 2**63 - 1
+MAX_STOP_SEQUENCES = 4
+REQUEST_ID_MAX_LENGTH = 256  # X-Request-Id (and Cog's request_id input)
+
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 
 
 class StreamOptions(BaseModel):
@@ -28,10 +36,10 @@ class _SamplingFields(BaseModel):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -49,8 +57,8 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4 or any(not stop for stop in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOP_SEQUENCES or any(not stop for stop in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings")
         return value
 
     @property

@@ -1,4 +1,4 @@
-"""Request identity: which generation an `X-Request-Id` means, and how long it lives.
+"""Request identity: which generation an `X-Request-Id` means, who reads it, and how long it lives.
 
 The registry is the only place that starts or aborts generations. It guarantees:
 - one id, one engine generation (duplicates attach, finished ones replay);
@@ -6,6 +6,9 @@ The registry is the only place that starts or aborts generations. It guarantees:
   oldest first; running generations are never evicted while anyone may still read them);
 - no orphans: a generation nobody reads is aborted, at once when anonymous, after the
   disconnect grace window when it has an id a client can come back with.
+
+Readers hold a `Subscription`, which `Service.open` hands to the wrappers: the events or text to
+follow, and a `close` that detaches (the last reader leaving starts the grace window).
 """
 
 from __future__ import annotations
@@ -13,39 +16,119 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import IdempotencyConflict, NotFound, Overloaded
-from shared.generation import Generation
+from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded
+from shared.generation import GenerationOutput
 from shared.metrics import Metrics
 from shared.settings import Settings
 
-Producer = Callable[[Generation], Coroutine[Any, Any, None]]
+Producer = Callable[[GenerationOutput, Callable[[], str]], Coroutine[Any, Any, None]]
+
+
+@dataclass(eq=False)
+class Entry:
+    """The lifecycle record of one generation; only the registry writes it."""
+
+    request_id: str | None  # the client's X-Request-Id; None: anonymous, not resumable
+    fingerprint: str | None  # of the request body; None when request_id is None
+    output: GenerationOutput
+    subscribers: int = 0
+    abort_reason: str = "cancelled"
+    task: asyncio.Task[None] | None = None
+    grace_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    request_id: str
+    # "cancelled": aborted (now or before); "completed"/"failed": it had already ended that way;
+    # "cancelling": aborted, but not yet stopped within the wait.
+    status: str
+
+
+class Subscription:
+    """One reader of one generation. Close it exactly when the reader is gone (idempotent)."""
+
+    def __init__(self, registry: Registry, entry: Entry, after: int, metrics: Metrics) -> None:
+        self._registry = registry
+        self._entry = entry
+        self._after = after
+        self._metrics = metrics
+        self._closed = False
+
+    @property
+    def request_id(self) -> str | None:
+        return self._entry.request_id
+
+    @property
+    def stream(self) -> bool:
+        return self._entry.output.stream
+
+    async def admitted(self) -> None:
+        """Return once the request passed every check and may reach the engine; raise its 4xx
+        otherwise. Call before sending a status line: bad input must never be a 200."""
+        await self._entry.output.admission()
+
+    async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
+        """SSE bytes after the resume point, live until the end; closes the subscription after."""
+        self._metrics.active_streams.inc()
+        try:
+            async for chunk in self._entry.output.events.follow(self._after, coalesce_s):
+                yield chunk
+        finally:
+            # Runs on normal end, on disconnect (cancellation) and on send failures alike.
+            self._metrics.active_streams.dec()
+            self.close()
+
+    def text(self) -> AsyncIterator[str]:
+        """The generated text from the start, in pieces as it grows (the Cog runner's view)."""
+        return self._entry.output.follow_text()
+
+    async def response(self) -> dict[str, Any]:
+        """Wait for the end and return the whole non-streaming body (raises its error)."""
+        await self._entry.output.wait()
+        return self._entry.output.response()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._registry.detach(self._entry)
+
+    def abandon(self) -> None:
+        """The reader stops early and nobody will come back for this one: abort, then close."""
+        self._registry.abort(self._entry, "cancelled")
+        self.close()
 
 
 class Registry:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._held: dict[str, Generation] = {}  # by X-Request-Id, running or finished
-        self._finished: OrderedDict[str, Generation] = OrderedDict()  # eviction order
-        self._running: set[Generation] = set()
+        self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
+        self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
+        self._running: set[Entry] = set()
+        # With a shared store (shared/replicas.py): seconds that readers on other replicas still
+        # hold a generation whose grace window ran out here; 0 means none, abort.
+        self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
+        self._rechecks: set[asyncio.Task[None]] = set()
 
     # --- lookup -----------------------------------------------------------------------------
-    def find(self, request_id: str, fingerprint: str) -> Generation | None:
+    def find(self, request_id: str, fingerprint: str) -> Entry | None:
         """The generation this id already names, or None. A different body is a conflict."""
         self._evict()
-        generation = self._held.get(request_id)
-        if generation is not None and generation.fingerprint != fingerprint:
+        entry = self._held.get(request_id)
+        if entry is not None and entry.fingerprint != fingerprint:
             raise IdempotencyConflict(
                 f"X-Request-Id {request_id!r} was already used with a different request body",
                 param="X-Request-Id",
             )
-        return generation
+        return entry
 
     # --- lifecycle --------------------------------------------------------------------------
-    def start(self, generation: Generation, producer: Producer) -> None:
+    def start(self, entry: Entry, producer: Producer) -> None:
         """Admit a new generation (or refuse with 429) and start its producer task."""
         if len(self._running) >= self._settings.max_in_flight:
             self._metrics.rejected_requests.labels("429").inc()
@@ -53,61 +136,86 @@ class Registry:
                 f"{len(self._running)} generations in flight (cap {self._settings.max_in_flight})",
                 retry_after_s=self._settings.retry_after_s,
             )
-        if generation.request_id is not None:
-            self._held[generation.request_id] = generation
-        self._running.add(generation)
-        generation.task = asyncio.create_task(self._drive(generation, producer))
+        if entry.request_id is not None:
+            self._held[entry.request_id] = entry
+        self._running.add(entry)
+        entry.task = asyncio.create_task(self._drive(entry, producer))
 
-    async def _drive(self, generation: Generation, producer: Producer) -> None:
+    async def _drive(self, entry: Entry, producer: Producer) -> None:
         try:
-            await producer(generation)
+            await producer(entry.output, lambda: entry.abort_reason)
         finally:
-            self._running.discard(generation)
-            self._cancel_grace(generation)
-            if generation.request_id is not None:
-                self._finished[generation.request_id] = generation
+            self._running.discard(entry)
+            self._cancel_grace(entry)
+            if entry.request_id is not None:
+                self._finished[entry.request_id] = entry
             self._evict()
 
-    def attach(self, generation: Generation) -> None:
-        generation.subscribers += 1
-        self._cancel_grace(generation)
+    def subscribe(self, entry: Entry, after: int = 0) -> Subscription:
+        entry.subscribers += 1
+        self._cancel_grace(entry)
+        return Subscription(self, entry, after, self._metrics)
 
-    def detach(self, generation: Generation) -> None:
-        generation.subscribers -= 1
-        if generation.subscribers > 0 or generation.done:
+    def detach(self, entry: Entry) -> None:
+        entry.subscribers -= 1
+        if entry.subscribers > 0 or entry.output.done:
             return
-        if generation.request_id is None:
-            self.abort(generation, "disconnect")  # nobody can ever come back for it
+        if entry.request_id is None:
+            self.abort(entry, "disconnect")  # nobody can ever come back for it
         else:
-            loop = asyncio.get_running_loop()
-            generation.grace_timer = loop.call_later(
-                self._settings.disconnect_grace_s, self.abort, generation, "grace_expired"
-            )
+            self._arm_grace(entry, self._settings.disconnect_grace_s)
 
-    def abort(self, generation: Generation, reason: str) -> None:
-        if generation.done or generation.task is None:
+    def _arm_grace(self, entry: Entry, delay_s: float) -> None:
+        entry.grace_timer = asyncio.get_running_loop().call_later(delay_s, self._grace_over, entry)
+
+    def _grace_over(self, entry: Entry) -> None:
+        entry.grace_timer = None
+        if self.followers_elsewhere is None:
+            self.abort(entry, "grace_expired")
             return
-        generation.abort_reason = reason
-        generation.task.cancel()
+        task = asyncio.get_running_loop().create_task(self._recheck_grace(entry, self.followers_elsewhere))
+        self._rechecks.add(task)
+        task.add_done_callback(self._rechecks.discard)
 
-    def cancel(self, request_id: str) -> Generation:
-        generation = self._held.get(request_id)
-        if generation is None:
+    async def _recheck_grace(self, entry: Entry, elsewhere: Callable[[Entry], Awaitable[float]]) -> None:
+        more_s = await elsewhere(entry)
+        if entry.subscribers or entry.output.done or entry.grace_timer is not None:
+            return  # a reader came back here meanwhile
+        if more_s > 0:
+            self._arm_grace(entry, more_s)
+        else:
+            self.abort(entry, "grace_expired")
+
+    def abort(self, entry: Entry, reason: str) -> None:
+        if entry.output.done or entry.task is None:
+            return
+        entry.abort_reason = reason
+        entry.task.cancel()
+
+    async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
+        """Abort the generation this id names; wait (bounded) until it has stopped."""
+        entry = self._held.get(request_id)
+        if entry is None:
             raise NotFound(f"no request with id {request_id!r} is held", param="request_id")
-        self.abort(generation, "cancelled")
-        return generation
+        if entry.output.done:
+            return CancelOutcome(request_id, final_status(entry))
+        self.abort(entry, "cancelled")
+        if entry.task is not None:
+            await asyncio.wait({entry.task}, timeout=wait_s)
+        status = final_status(entry) if entry.output.done else "cancelling"
+        return CancelOutcome(request_id, status)
 
     async def shutdown(self) -> None:
-        tasks = [g.task for g in self._running if g.task is not None]
-        for generation in list(self._running):
-            self.abort(generation, "shutdown")
+        tasks = [e.task for e in self._running if e.task is not None]
+        for entry in list(self._running):
+            self.abort(entry, "shutdown")
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- bounds -----------------------------------------------------------------------------
-    def _cancel_grace(self, generation: Generation) -> None:
-        if generation.grace_timer is not None:
-            generation.grace_timer.cancel()
-            generation.grace_timer = None
+    def _cancel_grace(self, entry: Entry) -> None:
+        if entry.grace_timer is not None:
+            entry.grace_timer.cancel()
+            entry.grace_timer = None
 
     def _evict(self) -> None:
         """Drop finished results past retention or beyond the cap, oldest first: O(evicted)."""
@@ -115,7 +223,7 @@ class Registry:
         for _ in range(len(self._finished)):
             request_id, oldest = next(iter(self._finished.items()))
             over_cap = len(self._held) > self._settings.max_held_requests
-            if not over_cap and (oldest.finished_at or 0.0) >= horizon:
+            if not over_cap and (oldest.output.finished_at or 0.0) >= horizon:
                 return
             del self._finished[request_id]
             if oldest.subscribers:  # someone is reading its replay right now: keep it a bit
@@ -127,6 +235,13 @@ class Registry:
         return {
             "held_requests": len(self._held),
             "running_generations": len(self._running),
-            "held_events": sum(len(g.events) for g in self._held.values()),
-            "subscribers": sum(g.subscribers for g in self._held.values()),
+            "held_events": sum(e.output.events.held_events() for e in self._held.values()),
+            "subscribers": sum(e.subscribers for e in self._held.values()),
         }
+
+
+def final_status(entry: Entry) -> str:
+    error = entry.output.error
+    if error is None:
+        return "completed"
+    return "cancelled" if isinstance(error, Cancelled) else "failed"

@@ -42,6 +42,12 @@ def error_data(error: BundleError) -> bytes:
     return orjson.dumps(error.to_openai())
 
 
+def error_frames(error: BundleError) -> bytes:
+    """An error event and the end marker, without ids: for a reader that cannot be served the
+    numbered events any more (it fell behind the buffer), so nothing here may be resumed."""
+    return b"data: %s\n\ndata: %s\n\n" % (error_data(error), DONE_DATA)
+
+
 class ChunkEncoder:
     """Encodes one generation's chunks in OpenAI's streaming format (chat or legacy completion)."""
 

@@ -24,7 +24,8 @@ FIXTURES = Path(__file__).parent / "cost_model_fixtures"
 DAY = 86400.0
 
 # One stream at 500 tok/s after 0.1 s to first token: a 1,000-token answer takes exactly 2.1 s.
-SERVICE = from_flags(500.0, None, ttft_s=0.1, cold_start_s=30.0)
+# Prefill is made negligible (1e12 tok/s) so the hand arithmetic below stays 0.1 s + 2.0 s.
+SERVICE = from_flags(500.0, None, ttft_s=0.1, cold_start_s=30.0, prefill_tokens_per_s=1e12)
 ENTRY = PerSecondEntry(
     id="t",
     platform="p",
@@ -161,8 +162,8 @@ def test_break_even_per_token_vs_reserved_by_hand() -> None:
 
 
 def test_bench_fixture_uses_bundle_target() -> None:
-    prof = load_bench(FIXTURES / "bench_small.json")
-    assert prof.cold_start_s == 42.0
+    prof, cold = load_bench(FIXTURES / "bench_small.json")
+    assert cold == 42.0
     assert [p.concurrency for p in prof.points] == [1, 8]
     assert prof.per_stream_rate(8) == pytest.approx(80.0)
     assert prof.per_stream_rate(4.5) == pytest.approx(90.0)  # halfway between 100 and 80
@@ -181,7 +182,7 @@ def test_bench_malformed(tmp_path: Path) -> None:
 def test_catalogue_entries_have_sources_and_dates() -> None:
     cat = load_packaged()
     for e in cat.entries:
-        assert e.source and e.read_on == "2026-11-29"
+        assert e.source and e.read_on in ("2026-11-29", "2026-07-01") and e.note
     kinds = {e.kind for e in cat.entries}
     assert {"per_second", "per_token", "reserved_hourly"} <= kinds
     platforms = {e.platform for e in cat.entries}
@@ -229,7 +230,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--requests-per-day", "-5", "--tokens-per-s", "50"], "rate must be > 0"),
+        (["--requests-per-day", "-5", "--tokens-per-s", "50"], "within"),
         (["--requests-per-day", "100", "--tokens-per-s", "50", "--gpu", "Z80"], "unknown GPU"),
         (["--requests-per-day", "100"], "service speed"),
         (["--requests-per-day", "100", "--tokens-per-s", "50", "--billed", "idle"], "--billed"),
@@ -255,12 +256,15 @@ def test_seed_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "estimate", "--scenario", "seed", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert "$0.00126/request" in doc["notes"][0]
+    assert "$0.00126/request" in doc["notes"][0] and "no source" in doc["notes"][1]
+    assert doc["schema"] == "cost-estimate/2" and doc["inputs"]["requests_per_day"] == 1000
     by_id = {r["entry"]: r for r in doc["results"]}
+    assert by_id["modal-a100-80gb"]["price_read_on"] == "2026-07-01"
+    assert by_id["modal-a100-80gb"]["ttft_s"]["p95"] > 0
     assert by_id["custom-per-request"]["cost_per_request"] == pytest.approx(0.0008)
     for platform in ("modal-a100-80gb", "replicate-gpu-a100-large", "runpod-flex-a100-80gb"):
         assert by_id[platform]["cost_per_request"] > 0.00126 * 5  # the honest figure is far higher
-    assert doc["break_evens"] and doc["advice"]["items"]
+    assert doc["break_evens"] and doc["advice"]
 
 
 def test_plot_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -275,3 +279,46 @@ def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "scale-down window" in out and "--scenario" in out and math.isfinite(len(out))
+    assert "--startup FILE" in out and "bundle-startup/1" in out and "--snapshot-restore-s" in out
+
+
+def test_startup_file_feeds_cold_start_and_snapshot_savings(capsys: pytest.CaptureFixture[str]) -> None:
+    startup = str(FIXTURES / "startup_small.json")
+    code, out, _ = _run(
+        capsys,
+        "estimate",
+        "--bench",
+        str(FIXTURES / "bench_small.json"),
+        "--requests-per-day",
+        "2000",
+        "--gpu",
+        "H200",
+        "--concurrency",
+        "8",
+        "--startup",
+        startup,
+        "--json",
+    )
+    doc = json.loads(out)
+    assert code == 0
+    # The fastest non-snapshot path of the fixture is warm-cache (median 38 s), not the bench's 42 s.
+    assert doc["assumptions"]["service"]["cold_start_s"] == 38.0
+    assert "path 'warm-cache'" in doc["assumptions"]["service"]["cold_start_source"]
+    # Snapshot start = wake 0.82 s + default restore 20 s; it must save money on a serverless row.
+    assert any("snapshot start: 20.82 s" in n for n in doc["notes"])
+    assert doc["snapshot"] and "saves $" in doc["snapshot"][0]
+    # The bench says test-a100, the prices are H200: warned.
+    assert any(n.startswith("warning:") and "H200" in n for n in doc["notes"])
+
+
+def test_no_start_up_given_uses_the_stated_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "estimate", "--requests-per-day", "100", "--throughput", "1:50,4:40", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["assumptions"]["service"]["cold_start_s"] == 38.0
+    assert doc["notes"][0].startswith("start-up: 38 s (stated default")
+
+
+def test_single_point_with_flag_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--requests-per-day", "100", "--tokens-per-s", "50", "--concurrency", "4"]
+    assert _run(capsys, *argv)[0] == 2
+    assert _run(capsys, *argv, "--assume-flat-speed", "--json")[0] == 0

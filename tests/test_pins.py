@@ -36,7 +36,7 @@ def _pyproject() -> dict:
 
 
 def test_the_modal_image_installs_exactly_the_pins_file() -> None:
-    assert PACKAGES == read_pins(PINS_FILE)
+    assert read_pins(PINS_FILE) == PACKAGES
     assert len(PACKAGES) == len(_pins())  # no package listed twice
 
 

@@ -1,0 +1,122 @@
+"""The replay buffer: one stream's SSE events, numbered from 1, held for any number of readers.
+
+A generation's producer appends events; every client follows the buffer from an event id, so
+attaching a duplicate, resuming after a dropped connection and replaying a finished result are
+the same operation. A reader that falls behind receives its backlog in one write, which
+coalesces tokens under load for free.
+
+`EventLog` is the seam: this in-process buffer is one implementation, and a shared store (events
+of a generation readable from another replica) can be another, behind the same methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from shared.errors import EventsGone, InvalidRequest
+from shared.streaming import error_frames, sse_event
+
+
+class EventLog(Protocol):
+    """What a stream's readers and its one writer need from the place its events live."""
+
+    closed: bool
+
+    def append(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    def check_resumable(self, last_event_id: int) -> None: ...
+
+    def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]: ...
+
+    def held_events(self) -> int: ...
+
+
+class Notifier:
+    """Wakes every waiter at once. One shared future per wake-up: cheaper than an asyncio.Event
+    per event on the per-token path (profiled), and none at all while nobody waits. Waiters
+    re-check their state after waking, so a spurious wake-up is harmless."""
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    def notify(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        except asyncio.CancelledError:
+            # Awaiting a shared future: a cancelled waiter cancels it for everyone. Only the
+            # waiter that is itself being cancelled re-raises; the others just wake up.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+
+
+class ReplayBuffer:
+    """`EventLog` in this process's memory, bounded to `max_events` (oldest dropped first)."""
+
+    def __init__(self, max_events: int) -> None:
+        self.max_events = max_events
+        self.events: list[bytes] = []
+        self.first_sequence = 1  # sequence number of events[0]; grows as old events are dropped
+        self.next_sequence = 1
+        self.closed = False
+        self.changed = Notifier()
+
+    # --- the writer -----------------------------------------------------------------------------
+    def append(self, data: bytes) -> None:
+        self.events.append(sse_event(self.next_sequence, data))
+        self.next_sequence += 1
+        overflow = len(self.events) - self.max_events
+        if overflow > 0:
+            # Drop a quarter at once so trimming is amortised O(1) per event.
+            drop = max(overflow, self.max_events // 4)
+            del self.events[:drop]
+            self.first_sequence += drop
+        self.changed.notify()
+
+    def close(self) -> None:
+        self.closed = True
+        self.changed.notify()
+
+    # --- readers --------------------------------------------------------------------------------
+    def check_resumable(self, last_event_id: int) -> None:
+        """Refuse before any byte is sent if a resume cannot be served without a gap."""
+        if last_event_id + 1 < self.first_sequence:
+            raise EventsGone(
+                f"events after {last_event_id} are no longer held (oldest held: "
+                f"{self.first_sequence}); restart the request with a new X-Request-Id"
+            )
+        if last_event_id >= self.next_sequence and self.closed:
+            raise InvalidRequest(f"Last-Event-ID {last_event_id} is beyond the end of this stream")
+
+    async def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
+        """Yield every event after `last_event_id`, then live ones until the stream ends."""
+        cursor = last_event_id + 1
+        while True:
+            if cursor < self.first_sequence:
+                # This reader fell further behind than the buffer holds: say so and stop.
+                yield error_frames(EventsGone("this reader fell behind and events were dropped"))
+                return
+            if cursor < self.next_sequence:
+                backlog = self.events[cursor - self.first_sequence :]
+                cursor = self.next_sequence
+                yield backlog[0] if len(backlog) == 1 else b"".join(backlog)
+                continue
+            if self.closed:
+                return
+            await self.changed.wait()
+            if coalesce_s:
+                await asyncio.sleep(coalesce_s)
+
+    def held_events(self) -> int:
+        return len(self.events)

@@ -1,0 +1,299 @@
+"""Fast unit tests of the core's own logic, no vLLM: the registry behind `Service` (dedup,
+conflict, grace, eviction, cancel, admission), the replay buffer (resume points, trimming, slow
+readers) and the chunk encoder. The engine is `ScriptedEngine` (tests/scripted.py), which emits
+exactly the tokens a test releases; behaviour end to end is tested on the real engine elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from shared.errors import EventsGone, IdempotencyConflict, InvalidRequest, NotFound, Overloaded
+from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.replay import ReplayBuffer
+from shared.service import Service, Subscription
+from shared.settings import Settings
+from shared.streaming import ChunkEncoder, Usage, sse_event
+
+from .scripted import ScriptedEngine, settle
+
+pytestmark = pytest.mark.timeout(20)  # milliseconds each; a hang is a bug, not a slow machine
+
+
+def chat(**extra: Any) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "a b c"}]
+    body = {"model": "tiny", "messages": messages, "stream": True, "max_tokens": 8}
+    return parse_request(ChatCompletionRequest, {**body, **extra})
+
+
+def make_service(engine: ScriptedEngine | None = None, **overrides: Any) -> tuple[Service, ScriptedEngine]:
+    engine = engine or ScriptedEngine()
+    return Service(Settings(**overrides), engine), engine
+
+
+async def drain(events: AsyncIterator[bytes]) -> bytes:
+    return b"".join([chunk async for chunk in events])
+
+
+def event_ids(raw: bytes) -> list[int]:
+    return [int(line[4:]) for line in raw.split(b"\n") if line.startswith(b"id: ")]
+
+
+# --- registry behind Service ---------------------------------------------------------------------
+async def test_same_id_and_body_share_one_generation_and_identical_events() -> None:
+    service, engine = make_service(engine=ScriptedEngine(auto=True))
+    first = service.open("chat", chat(), "one")
+    second = service.open("chat", chat(), "one")
+    a, b = await asyncio.gather(drain(first.events()), drain(second.events()))
+    assert a == b and b"[DONE]" in a
+    assert len(engine.started) == 1
+    replay = service.open("chat", chat(), "one")  # after the end: the stored result
+    assert await drain(replay.events()) == a
+    assert len(engine.started) == 1
+
+
+async def test_same_id_with_another_body_is_a_conflict() -> None:
+    service, _ = make_service()
+    service.open("chat", chat(), "x").close()
+    with pytest.raises(IdempotencyConflict):
+        service.open("chat", chat(temperature=0.5), "x")
+    with pytest.raises(IdempotencyConflict):
+        service.open("completion", parse_request(CompletionRequest, {"model": "tiny", "prompt": "a"}), "x")
+
+
+async def test_an_anonymous_reader_leaving_aborts_at_once() -> None:
+    service, engine = make_service()
+    subscription = service.open("chat", chat())
+    await settle()
+    assert len(engine.running) == 1
+    subscription.close()
+    await settle()
+    assert engine.running == {} and len(engine.aborted) == 1
+    assert service.metrics.aborted_requests.labels("disconnect")._value.get() == 1
+
+
+async def test_a_named_reader_leaving_starts_the_grace_window_and_a_return_cancels_it() -> None:
+    service, engine = make_service(disconnect_grace_s=0.0)  # fires on the next loop turn
+    service.open("chat", chat(), "g").close()
+    back = service.open("chat", chat(), "g", last_event_id=0)  # before the timer ran: cancelled
+    await settle()
+    assert len(engine.running) == 1
+    back.close()
+    await settle()
+    assert engine.running == {}
+    assert service.metrics.aborted_requests.labels("grace_expired")._value.get() == 1
+
+
+async def test_attached_readers_keep_a_named_generation_alive() -> None:
+    service, engine = make_service(disconnect_grace_s=0.0)
+    first = service.open("chat", chat(), "two-readers")
+    second = service.open("chat", chat(), "two-readers")
+    first.close()
+    await settle()
+    assert len(engine.running) == 1  # one reader is left
+    second.close()
+    await settle()
+    assert engine.running == {}
+
+
+async def test_resume_needs_an_id_and_a_held_stream() -> None:
+    service, _ = make_service()
+    with pytest.raises(InvalidRequest):
+        service.open("chat", chat(), None, last_event_id=3)
+    with pytest.raises(EventsGone):
+        service.open("chat", chat(), "never-seen", last_event_id=3)
+
+
+async def test_finished_results_are_evicted_oldest_first_beyond_the_cap() -> None:
+    service, _ = make_service(ScriptedEngine(auto=True), max_held_requests=2)
+    for name in ("r1", "r2", "r3"):
+        await drain(service.open("chat", chat(), name).events())
+    await settle()
+    with pytest.raises(EventsGone):
+        service.open("chat", chat(), "r1", last_event_id=0)
+    assert await drain(service.open("chat", chat(), "r3", last_event_id=0).events())
+    assert service.stats()["held_requests"] == 2
+
+
+async def test_finished_results_expire_after_retention() -> None:
+    service, _ = make_service(ScriptedEngine(auto=True), retention_s=0.0)
+    await drain(service.open("chat", chat(), "short").events())
+    await settle()
+    with pytest.raises(EventsGone):
+        service.open("chat", chat(), "short", last_event_id=0)
+
+
+async def test_cancel_ends_attached_streams_and_says_what_happened() -> None:
+    service, engine = make_service()
+    reader = service.open("chat", chat(), "c")
+    collected = asyncio.create_task(drain(reader.events()))
+    await settle()
+    engine.step(2)
+    outcome = await service.cancel("c")
+    assert outcome.status == "cancelled"
+    raw = await collected
+    assert b'"code":"request_cancelled"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert (await service.cancel("c")).status == "cancelled"  # idempotent
+    with pytest.raises(NotFound):
+        await service.cancel("unknown")
+
+    done = service.open("chat", chat(), "finished")
+    await settle()
+    engine.step(8)
+    await drain(done.events())
+    assert (await service.cancel("finished")).status == "completed"
+
+
+async def test_admission_beyond_the_in_flight_cap_is_429_and_starts_nothing() -> None:
+    service, engine = make_service(max_in_flight=2)
+    held = [service.open("chat", chat()) for _ in range(2)]
+    with pytest.raises(Overloaded):
+        service.open("chat", chat())
+    await settle()
+    assert len(engine.started) == 2
+    for subscription in held:
+        subscription.close()
+
+
+async def test_text_readers_get_every_piece_once_and_the_whole_body() -> None:
+    service, engine = make_service()
+    subscription: Subscription = service.open("chat", chat(stream=False), "text")
+    pieces = subscription.text()
+    engine_task = asyncio.create_task(_release(engine, 8))
+    text = "".join([piece async for piece in pieces])
+    await engine_task
+    assert text == "".join(f"t{i} " for i in range(8))
+    body = await subscription.response()
+    assert body["choices"][0]["message"]["content"] == text
+    assert body["usage"]["completion_tokens"] == 8
+    subscription.close()
+
+
+async def test_a_prompt_refused_after_rendering_is_an_error_before_any_event() -> None:
+    service, engine = make_service(max_prompt_tokens=3)
+    subscription = service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
+    with pytest.raises(InvalidRequest, match="tokens"):
+        await subscription.admitted()
+    subscription.close()
+    assert engine.started == []  # never reached the engine
+
+
+async def test_an_oversized_prompt_is_refused_before_tokenizing() -> None:
+    service, engine = make_service(max_prompt_tokens=10)
+    with pytest.raises(InvalidRequest, match="characters"):
+        service.open("chat", chat(messages=[{"role": "user", "content": "x" * 1000}]))
+    assert engine.tokenized_on == []
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
+    service, engine = make_service()
+    short = service.open("chat", chat())
+    await short.admitted()
+    long = service.open("chat", chat(messages=[{"role": "user", "content": "word " * 2000}]))
+    await long.admitted()
+    loop_thread = threading.current_thread().name
+    assert engine.tokenized_on[0] == loop_thread  # cheaper inline than a thread hop
+    assert engine.tokenized_on[1] != loop_thread
+    short.close()
+    long.close()
+
+
+async def _release(engine: ScriptedEngine, tokens: int) -> None:
+    for _ in range(tokens):
+        await settle()
+        engine.step(1)
+
+
+# --- replay buffer ------------------------------------------------------------------------------
+async def test_follow_from_any_resume_point_gives_the_rest_exactly_once() -> None:
+    buffer = ReplayBuffer(max_events=100)
+    for index in range(10):
+        buffer.append(b"%d" % index)
+    buffer.close()
+    for after in (0, 4, 9, 10):
+        assert event_ids(await drain(buffer.follow(after))) == list(range(after + 1, 11))
+
+
+async def test_resume_points_outside_the_held_range_are_refused() -> None:
+    buffer = ReplayBuffer(max_events=16)
+    for index in range(40):
+        buffer.append(b"%d" % index)
+    assert buffer.first_sequence > 1 and buffer.held_events() <= 16
+    with pytest.raises(EventsGone):
+        buffer.check_resumable(0)
+    buffer.check_resumable(buffer.first_sequence - 1)  # exactly the oldest held: fine
+    buffer.check_resumable(500)  # still running: may be resumed later
+    buffer.close()
+    with pytest.raises(InvalidRequest):
+        buffer.check_resumable(500)
+
+
+async def test_a_live_reader_gets_events_as_they_come_and_stops_at_close() -> None:
+    buffer = ReplayBuffer(max_events=100)
+    received: list[bytes] = []
+
+    async def read() -> None:
+        async for chunk in buffer.follow(0):
+            received.append(chunk)
+
+    reader = asyncio.create_task(read())
+    await settle()
+    buffer.append(b"a")
+    await settle()
+    assert received == [sse_event(1, b"a")]
+    buffer.append(b"b")
+    buffer.append(b"c")
+    buffer.close()
+    await reader
+    assert received[1] == sse_event(2, b"b") + sse_event(3, b"c")  # a backlog comes in one write
+
+
+async def test_a_reader_that_falls_behind_the_buffer_gets_an_error_not_a_gap() -> None:
+    buffer = ReplayBuffer(max_events=16)
+    buffer.append(b"first")
+    follower = buffer.follow(0)
+    assert await anext(follower) == sse_event(1, b"first")
+    for index in range(64):  # the reader sleeps while the buffer drops what it has not read
+        buffer.append(b"%d" % index)
+    tail = await anext(follower)
+    assert b'"code":"events_gone"' in tail and tail.endswith(b"data: [DONE]\n\n")
+    assert b"id:" not in tail  # nothing in it may be resumed from
+    with pytest.raises(StopAsyncIteration):
+        await anext(follower)
+
+
+# --- encoder -------------------------------------------------------------------------------------
+def test_chat_chunks_are_openai_shaped_and_escape_text() -> None:
+    encoder = ChunkEncoder("chat", "chatcmpl-1", "tiny")
+    opening = orjson.loads(encoder.opening() or b"")
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunk = orjson.loads(encoder.text('say "hi"\n\u00e9', None))
+    assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == "chatcmpl-1"
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"content": 'say "hi"\n\u00e9'}, "logprobs": None, "finish_reason": None}
+    ]
+    last = orjson.loads(encoder.text("", "length"))
+    assert last["choices"][0]["finish_reason"] == "length"
+    usage = orjson.loads(encoder.usage(Usage(3, 4)))
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+    }
+
+
+def test_completion_chunks_and_whole_responses() -> None:
+    encoder = ChunkEncoder("completion", "cmpl-1", "tiny")
+    assert encoder.opening() is None
+    chunk = orjson.loads(encoder.text("x", "stop"))
+    assert chunk["object"] == "text_completion"
+    assert chunk["choices"][0] == {"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop"}
+    body = encoder.response("xyz", "stop", Usage(1, 3))
+    assert body["choices"][0]["text"] == "xyz" and body["usage"]["total_tokens"] == 4
+    chat_body = ChunkEncoder("chat", "c", "tiny").response("hey", "length", Usage(1, 1))
+    assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
