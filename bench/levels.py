@@ -19,6 +19,9 @@ CpuClock: TypeAlias = Callable[[], float]
 # The engine's prefix-cache counts so far: (prompt tokens looked up, tokens found).
 CacheCounter: TypeAlias = Callable[[], tuple[int, int]]
 
+# The server's own time-to-first-token histogram so far: (sum of seconds, count).
+TtftCounter: TypeAlias = Callable[[], tuple[float, int]]
+
 # Runs one level: (prompts, concurrency) -> its summary.
 LevelRunner: TypeAlias = Callable[[list[list[int]], int], Awaitable[dict[str, Any]]]
 
@@ -29,6 +32,10 @@ class Meters:
 
     serving_cpu: CpuClock | None = None
     prefix_cache: CacheCounter | None = None
+    # The bundle's TTFT from the start of its generation task; the client's mean minus this
+    # is what the bundle adds before the engine is asked (HTTP, parsing, task queueing) plus
+    # the first event's way out.
+    server_ttft: TtftCounter | None = None
 
 
 NO_METERS = Meters()
@@ -57,6 +64,7 @@ async def run_levels(
 async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, meters: Meters) -> dict:
     cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
     cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
+    ttft_before = meters.server_ttft() if meters.server_ttft else (0.0, 0)
     result = await run(prompts, level)
     if meters.serving_cpu is not None and result["output_tokens"]:
         result["serving_cpu_ms_per_token"] = (
@@ -65,6 +73,10 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
     if meters.prefix_cache is not None:
         queries, hits = meters.prefix_cache()
         result["prefix_cache"] = cache_counts(queries - cache_before[0], hits - cache_before[1])
+    if meters.server_ttft is not None:
+        seconds, count = meters.server_ttft()
+        if count > ttft_before[1]:
+            result["server_ttft_mean_s"] = (seconds - ttft_before[0]) / (count - ttft_before[1])
     return result
 
 
@@ -84,6 +96,8 @@ def median_run(runs: list[dict]) -> dict:
     chosen["runs_ttft_p50_s"] = [run["ttft_s"]["p50"] for run in runs]
     if all("serving_cpu_ms_per_token" in run for run in runs):
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
+    if all("server_ttft_mean_s" in run for run in runs):
+        chosen["runs_ttft_added_by_server_s"] = [run["ttft_mean_s"] - run["server_ttft_mean_s"] for run in runs]
     if all("prefix_cache" in run for run in runs):
         chosen["runs_prefix_cache_hit_rate"] = [run["prefix_cache"]["hit_rate"] for run in runs]
     return chosen
@@ -99,4 +113,12 @@ def _line(level: dict) -> str:
         f"errors {level['errors']}"
         + (f"  serving CPU {cpu:.3f} ms/token" if cpu is not None else "")
         + (f"  prefix-cache hits {cache['hit_rate']:.1%}" if cache else "")
+        + _ttft_split(level)
     )
+
+
+def _ttft_split(level: dict) -> str:
+    if "server_ttft_mean_s" not in level:
+        return ""
+    client, server = level["ttft_mean_s"] * 1000, level["server_ttft_mean_s"] * 1000
+    return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started"

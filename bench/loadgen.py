@@ -65,6 +65,7 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "per_stream_tokens_per_s": statistics.median(decode_rates) if decode_rates else 0.0,
         "requests_per_s": len(good) / wall_s if wall_s else 0.0,
         "ttft_s": percentiles([s.first_token_s for s in good]),
+        "ttft_mean_s": statistics.fmean(s.first_token_s for s in good) if good else 0.0,
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
         **prefix_cache_summary(good),

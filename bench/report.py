@@ -28,7 +28,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     head = (
         "| concurrency | "
         + " | ".join(f"{t}: tok/s · TTFT p50 ms · ITL p50/p99 ms · prefix hits" for t in names)
-        + "".join(f" | {a} / {b}" for a, b in pairs)
+        + "".join(f" | {_ratio_label(a, b)}" for a, b in pairs)
         + " |"
     )
     rows = [head, "|" + "---|" * (len(names) + len(pairs) + 1)]
@@ -38,6 +38,10 @@ def markdown_table(report: dict[str, Any]) -> str:
         rows.append(f"| {level} | " + " | ".join(cells + ratios) + " |")
     rows += _cpu_table(by_level, names, levels)
     return "\n".join(rows + _footer(report, names)) + "\n"
+
+
+def _ratio_label(mine: str, other: str) -> str:
+    return f"{mine}: prefix cache on/off" if other == mine + NO_PREFIX_CACHE else f"{mine} / {other}"
 
 
 def _footer(report: dict[str, Any], names: list[str]) -> list[str]:

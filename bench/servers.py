@@ -185,3 +185,22 @@ def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
         return int(snapshot.get("prefix_cache_queries", 0)), int(snapshot.get("prefix_cache_hits", 0))
 
     return read
+
+
+def metrics_ttft_counter(url: str) -> Callable[[], tuple[float, int]]:
+    """Reads the bundle's `bundle_time_to_first_token_seconds` histogram (sum, count) from its
+    /metrics; (0, 0) if it cannot."""
+
+    def read() -> tuple[float, int]:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return 0.0, 0
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("bundle_time_to_first_token_seconds_sum", "bundle_time_to_first_token_seconds_count"):
+                values[name.rsplit("_", 1)[1]] = float(value)
+        return values.get("sum", 0.0), int(values.get("count", 0))
+
+    return read

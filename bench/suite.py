@@ -28,6 +28,7 @@ from bench.servers import (
     bundle_command,
     free_port,
     logged_batch_tokens,
+    metrics_ttft_counter,
     peak_rss_mib,
     process_cpu_s,
     running_server,
@@ -116,6 +117,7 @@ def run_server(
         meters = Meters(
             serving_cpu=functools.partial(process_cpu_s, pid),
             prefix_cache=stats_file_counter(stats) if spec.kind == "bundle" else None,
+            server_ttft=metrics_ttft_counter(url) if spec.kind == "bundle" else None,
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(
