@@ -59,9 +59,9 @@ suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
-  raw) suite bench --levels 1,16,64,256 --targets raw --prefix-caching on ;;
-  bundle) suite bench --levels 1,16,64,256 --targets bundle --prefix-caching on --merge ;;
-  vllm) suite bench --levels 1,16,64,256 --targets vllm_server --prefix-caching on --merge ;;
+  raw) suite bench --levels 1,64,256 --targets raw --prefix-caching on ;;
+  bundle) suite bench --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
+  vllm) suite bench --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;
