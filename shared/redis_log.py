@@ -122,6 +122,10 @@ class SharedLog:
     def closed(self) -> bool:
         return self._local.closed
 
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._local.closed = value
+
     def append(self, data: bytes) -> None:
         sequence = self._local.next_sequence
         self._local.append(data)

@@ -68,7 +68,8 @@ class Claim:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def decode(cls, raw: bytes) -> Claim:
+    def decode(cls, raw: object) -> Claim:
+        assert isinstance(raw, bytes | str), raw  # what GET and SET ... GET return for a string key
         return cls(**orjson.loads(raw))
 
 
