@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from shared.engine import EngineDelta, EngineInfo, SamplingRequest
 
@@ -25,7 +26,7 @@ class ScriptedEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return [len(word) for word in prompt.split()] or [1]
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: object = None) -> list[int]:
         return self.tokenize(" ".join(m["content"] for m in messages))
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
