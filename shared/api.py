@@ -6,7 +6,7 @@ import asyncio
 import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -29,6 +29,9 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_requ
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import Kind
+
+if TYPE_CHECKING:
+    from shared.replicas import Opened
 
 EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 PUBLIC_PATHS = frozenset({"/health"})
@@ -70,8 +73,10 @@ def create_app(
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not _service(request).healthy():
-            raise EngineUnavailable("the engine is not running")
+        service = _service(request)
+        if not service.ready():
+            asleep = service.healthy()  # alive but not ready: asleep (a snapshot being restored)
+            raise EngineUnavailable("the engine is asleep" if asleep else "the engine is not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -128,7 +133,12 @@ async def _read_json(request: Request, settings: Settings) -> Any:
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
     request_id = request.headers.get("x-request-id") or None
-    subscription = service.open(kind, body, request_id, _last_event_id(request))
+    subscription = await service.open_shared(kind, body, request_id, _last_event_id(request))
+    try:
+        await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
+    except BaseException:
+        subscription.close()
+        raise
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(subscription, headers)
@@ -145,7 +155,7 @@ def _last_event_id(request: Request) -> int | None:
     return int(raw)
 
 
-async def _whole_response(subscription: Subscription, headers: dict[str, str]) -> Response:
+async def _whole_response(subscription: Subscription | Opened, headers: dict[str, str]) -> Response:
     try:
         body = await subscription.response()
     finally:

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     tiny_model_seed: int = 0
 
     # --- engine arguments (passed to vLLM's AsyncEngineArgs) -------------------------------
+    preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
+        None,
+        description="Named engine knobs (shared/presets.py); an engine field set explicitly wins.",
+    )
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = Field(
@@ -62,8 +66,32 @@ class Settings(BaseSettings):
         None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.'
     )
     load_format: str = Field("auto", description="'dummy' fills random weights (benchmarks).")
+    cuda_graph_max_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Largest batch captured as a CUDA graph. Unset: max_num_seqs, the widest "
+        "decode batch this server runs (vLLM's own default captures up to twice that, to 512). "
+        "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
+    )
     trust_remote_code: bool = False
     engine_seed: int = 0
+
+    # --- sleep mode (GPU memory snapshots) ---------------------------------------------------
+    sleep_mode: bool = Field(
+        False,
+        description="Start vLLM with sleep mode (CUDA only; ignored on the CPU build) so the "
+        "engine can sleep before a memory snapshot and wake after restore. The Modal snapshot "
+        "path turns it on.",
+    )
+    wake_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a request that arrives while the engine sleeps waits for "
+        "the wake-up before it fails with 503.",
+    )
+    wake_slow_s: float = Field(
+        5.0, gt=0, description="A wake-up slower than this is logged as a warning with its phases."
+    )
 
     # --- API -------------------------------------------------------------------------------
     api_key: SecretStr | None = None
@@ -98,6 +126,11 @@ class Settings(BaseSettings):
         16384, ge=16, description="Replay buffer per generation; older events are dropped."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
+    redis_url: SecretStr | None = Field(
+        None,
+        description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
+        "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
+    )
 
     engine_stats_file: Path | None = Field(
         None, description="If set, the engine's running-request count is written here (JSON)."
@@ -112,12 +145,23 @@ class Settings(BaseSettings):
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
 
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _no_preset(cls, value: Any) -> Any:
+        # BUNDLE_PRESET= or BUNDLE_PRESET=none: no preset, even where a deploy defaults to one.
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip():
             return json.loads(value)
         return value or None
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
     @property
     def model_name(self) -> str:
@@ -141,6 +185,12 @@ class Settings(BaseSettings):
         if "model_revision" not in self.model_fields_set:
             update["model_revision"] = revision
         return self.model_copy(update=update)
+
+    def with_default_preset(self, preset: str) -> Settings:
+        """These settings with `preset` unless BUNDLE_PRESET was given (even as empty: none)."""
+        if "preset" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"preset": preset})
 
     def deploy_env(self) -> dict[str, str]:
         """The BUNDLE_* variables that rebuild these settings inside a deployed container.

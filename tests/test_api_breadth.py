@@ -429,3 +429,22 @@ def test_bad_completion_input_is_a_400(http: httpx.Client, service: Service, cha
     response = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4, **change})
     assert response.status_code == 400, response.text
     assert generations(service) == before
+
+
+# --- the Cog runner's inputs (no server: the translation only) ---------------------------------
+def test_cog_json_schema_and_tools_inputs_become_the_same_request() -> None:
+    from shared.cog_bridge import chat_request_from_inputs
+    from shared.errors import InvalidRequest
+    from shared.settings import Settings
+
+    settings = Settings()
+    body = chat_request_from_inputs(
+        settings, prompt="hi", json_schema=json.dumps(WEATHER), tools=json.dumps(TOOLS[:1]), max_tokens=4
+    )
+    assert body.response_format is not None and body.response_format.json_schema is not None
+    assert body.response_format.json_schema.schema_ == WEATHER
+    assert [t.function.name for t in body.tools or []] == ["get_weather"]
+    with pytest.raises(InvalidRequest, match="json_schema"):
+        chat_request_from_inputs(settings, prompt="hi", json_schema="{not json")
+    with pytest.raises(InvalidRequest):
+        chat_request_from_inputs(settings, prompt="hi", tools='[{"type": "function"}]')

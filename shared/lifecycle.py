@@ -1,0 +1,152 @@
+"""The engine's life in a serverless container: start, warm up, sleep, wake, stop.
+
+A platform that snapshots memory (Modal's GPU snapshots) wants the engine started, warmed up and
+asleep before the snapshot, and awake again after each restore. These are the functions its
+hooks call; `bench/startup.py` and `bench/sleepwake.py` call the very same ones on the GPU, so
+what is measured is what is deployed.
+
+All of it must run on the event loop that later serves requests: vLLM's `AsyncLLM` belongs to
+the loop it started on. `engine_factory` hands the engine started here to the API's lifespan,
+or, when nothing was started here (the platform ran no hooks), opens one on the serving loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from shared.engine import Engine, SamplingRequest, open_engine
+from shared.errors import EngineUnavailable
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Opener = Callable[[Settings], AbstractAsyncContextManager[Engine]]
+
+WARM_UP_SEED = 20261130  # fixed prompts: every container warms up the same kernels
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    wake_up_s: float  # vLLM's wake_up(): weights back on the GPU, KV cache re-allocated
+    first_token_s: float  # then one 1-token request, the proof that the GPU computes again
+
+    @property
+    def total_s(self) -> float:
+        return self.wake_up_s + self.first_token_s
+
+
+class EngineLifecycle:
+    """One engine through start, warm-up, sleep and wake, owned until `stop`."""
+
+    def __init__(self, settings: Settings, opener: Opener = open_engine) -> None:
+        # Sleep mode must be chosen when the engine starts; vLLM ignores it where unsupported.
+        self.settings = settings.model_copy(update={"sleep_mode": True})
+        self.engine: Engine | None = None
+        self._opener = opener
+        self._stack = AsyncExitStack()
+
+    async def start(self) -> Engine:
+        if self.engine is None:
+            self.engine = await self._stack.enter_async_context(self._opener(self.settings))
+        return self.engine
+
+    async def prepare_for_snapshot(self) -> None:
+        """Start, warm up, sleep: what runs once before a memory snapshot is taken."""
+        engine = await self.start()
+        await warm_up(engine, self.settings)
+        await self.sleep()
+
+    async def sleep(self) -> float:
+        started = time.perf_counter()
+        await self._engine().sleep()
+        return time.perf_counter() - started
+
+    async def wake(self) -> WakeReport:
+        """Wake the engine and prove it computes. Raises `EngineUnavailable` if it cannot: the
+        caller (a restore hook) must let that end the container, so that the platform replaces
+        it, rather than keep a container that answers 503 forever."""
+        engine = self._engine()
+        started = time.perf_counter()
+        try:
+            await engine.wake_up()
+            woke = time.perf_counter()
+            await first_token(engine)
+        except Exception as exc:
+            log.error("wake-up failed after %.2f s: %s", time.perf_counter() - started, exc)
+            raise EngineUnavailable(f"the engine did not wake up: {type(exc).__name__}: {exc}") from exc
+        report = WakeReport(wake_up_s=woke - started, first_token_s=time.perf_counter() - woke)
+        if report.total_s > self.settings.wake_slow_s:
+            log.warning(
+                "slow wake-up: %.2f s (bound %.1f s): wake_up %.2f s, first token %.2f s",
+                report.total_s,
+                self.settings.wake_slow_s,
+                report.wake_up_s,
+                report.first_token_s,
+            )
+        else:
+            log.info("awake in %.2f s (first token %.3f s)", report.total_s, report.first_token_s)
+        return report
+
+    async def stop(self) -> None:
+        self.engine = None
+        await self._stack.aclose()
+
+    @asynccontextmanager
+    async def engine_factory(self, settings: Settings) -> AsyncIterator[Engine]:
+        """For `create_app(engine_factory=...)`: the engine started here if there is one (its
+        lifetime stays with `stop`), else a fresh one for the app's lifespan alone."""
+        if self.engine is not None:
+            yield self.engine
+            return
+        async with self._opener(settings) as engine:
+            yield engine
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise EngineUnavailable("the engine was never started")
+        return self.engine
+
+
+async def warm_up(engine: Engine, settings: Settings) -> None:
+    """A few requests that touch what the first users would otherwise pay for: a short one, a
+    long prefill, and one full-batch wave of `max_num_seqs` streams."""
+    started = time.perf_counter()
+    prompts = PromptMaker(engine.info.vocab_size or 256, WARM_UP_SEED)
+    context = engine.info.max_model_len
+    await _complete(engine, prompts.ids(16), max_tokens=16)
+    await _complete(engine, prompts.ids(max(1, min(context // 2, 2048))), max_tokens=1)
+    wave = [_complete(engine, prompts.ids(16), max_tokens=8) for _ in range(settings.max_num_seqs)]
+    await asyncio.gather(*wave)
+    log.info("warm-up done in %.2f s (%d-stream wave)", time.perf_counter() - started, len(wave))
+
+
+async def first_token(engine: Engine) -> float:
+    """Seconds until a 1-token request completes."""
+    started = time.perf_counter()
+    await _complete(engine, PromptMaker(engine.info.vocab_size or 256, 1).ids(8), max_tokens=1)
+    return time.perf_counter() - started
+
+
+class PromptMaker:
+    """Distinct random token-id prompts: prefix caching must not turn warm-up or a measurement
+    into cache hits."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self._random = random.Random(seed)
+        self._top = max(vocab_size - 1, 2)
+
+    def ids(self, length: int) -> list[int]:
+        return [self._random.randrange(1, self._top) for _ in range(length)]
+
+
+async def _complete(engine: Engine, prompt: list[int], max_tokens: int) -> None:
+    request = SamplingRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(f"lifecycle-{uuid.uuid4().hex}", request):
+        pass
