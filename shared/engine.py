@@ -188,7 +188,7 @@ class VLLMEngine:
                     yield EngineDelta(
                         text=completion.text,
                         token_count=len(completion.token_ids),
-                        finish_reason=_finish_reason(completion) if completion.finished() else None,
+                        finish_reason=None if completion.finish_reason is None else _finish_reason(completion),
                         index=completion.index,
                         token_ids=completion.token_ids,
                         logprobs=None if top is None else self._logprobs(completion, top),
