@@ -86,6 +86,16 @@ class Runner(BaseRunner):
         seed: int | None = Input(
             default=None, ge=0, le=bridge.SEED_MAX, description="Omit for random sampling."
         ),
+        json_schema: str = Input(
+            default="",
+            description="Structured output: a JSON schema (as a string) the output must validate "
+            "against; empty for free text.",
+        ),
+        tools: str = Input(
+            default="",
+            description="OpenAI tool definitions as a JSON list, rendered into the prompt; the "
+            "output is the model's own text, tool calls in its own format (Llama 3.1: JSON).",
+        ),
         request_id: str = Input(
             default="",
             max_length=bridge.REQUEST_ID_MAX_LENGTH,
@@ -108,6 +118,8 @@ class Runner(BaseRunner):
             frequency_penalty=frequency_penalty,
             stop_sequences=stop_sequences,
             seed=seed,
+            json_schema=json_schema,
+            tools=tools,
         )
         # Bad input raises a BundleError here: coglet turns it into a failed prediction.
         subscription = await bridge.start_chat(self.service, body, request_id)

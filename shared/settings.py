@@ -105,6 +105,15 @@ class Settings(BaseSettings):
     max_prompt_tokens: int = Field(8192, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=1024)
     max_in_flight: int = Field(512, ge=1, description="Generations admitted at once; then 429.")
+    max_n: int = Field(8, ge=1, description="Most choices (`n`) one request may ask for.")
+    compact_json: bool = Field(
+        True, description="Structured output without free whitespace (vLLM's disable_any_whitespace)."
+    )
+    tool_call_parser: str = Field(
+        "llama3_json",
+        description="vLLM tool parser for tool_choice 'auto' ('llama3_json' fits the default Llama "
+        "3.1 Instruct and the tiny model; 'hermes' fits Hermes/Qwen <tool_call> tags).",
+    )
     retry_after_s: int = Field(1, ge=0)
 
     # --- request identity, resume and disconnects -------------------------------------------

@@ -2,7 +2,8 @@
 
 Chunks are built from byte templates made once per generation: per token we only encode the
 new text. This is the hot path of the server (one call per token per generation), so it stays
-free of dicts and model objects.
+free of dicts and model objects. Requests that ask for more (n > 1, logprobs, tools) take the
+slower `choice_chunk` path, built by `shared.choices` from a dict per choice.
 """
 
 from __future__ import annotations
@@ -70,14 +71,18 @@ class ChunkEncoder:
             self._text_prefix = head + b'"choices":[{"index":0,"text":'
             self._text_suffix = b',"logprobs":null,"finish_reason":%s}]}'
 
-    def opening(self) -> bytes | None:
-        """Chat streams start with the assistant role, as OpenAI's do."""
+    def opening(self, index: int = 0) -> bytes | None:
+        """Chat streams start with the assistant role (one chunk per choice), as OpenAI's do."""
         if self.kind != "chat":
             return None
         return self._head + (
-            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-            b'"logprobs":null,"finish_reason":null}]}'
+            b'"choices":[{"index":%d,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}' % index
         )
+
+    def choice_chunk(self, choice: dict[str, Any]) -> bytes:
+        """A chunk carrying one choice's delta (the slow path: n > 1, logprobs, tool calls)."""
+        return self._head + b'"choices":[' + orjson.dumps(choice) + b"]}"
 
     def text(self, text: str, finish_reason: str | None) -> bytes:
         reason = b"null" if finish_reason is None else b'"%s"' % finish_reason.encode()
@@ -88,7 +93,7 @@ class ChunkEncoder:
         return self._head + b'"choices":[],"usage":' + orjson.dumps(usage.as_dict()) + b"}"
 
     def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The whole non-streaming response body."""
+        """The whole non-streaming response body (one plain choice)."""
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
@@ -96,15 +101,16 @@ class ChunkEncoder:
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
-            obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            obj = "text_completion"
+        return self.response_of([choice], usage)
+
+    def response_of(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         return {
             "id": self.completion_id,
-            "object": obj,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage.as_dict(),
         }

@@ -19,15 +19,38 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BUILDER_VERSION = 2  # bump when the output changes, so caches rebuild
+BUILDER_VERSION = 3  # bump when the output changes, so caches rebuild
 
+# Tools are rendered the way Llama 3.1 Instruct's template does (a JSON description of each
+# function; calls written as {"name": ..., "parameters": ...}), so the deploy default tool parser
+# (`llama3_json`) reads the tiny model's calls too and the tool tests exercise the real parser.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>{{ '\\n' }}"
+    'To call a function, answer with only {"name": function name, "parameters": arguments}.'
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>{{ '\\n' }}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ {'name': call['function']['name'], 'parameters': call['function']['arguments']} | tojson }}"
+    "{% if not loop.last %}; {% endif %}"
+    "{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+# <|python_tag|> is Llama 3.1's tool-call marker: vLLM's llama3_json parser requires the token.
+SPECIAL_TOKENS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|python_tag|>",
+]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from shared.engine import EngineDelta, EngineInfo, SamplingRequest
 from shared.errors import EngineUnavailable
@@ -24,7 +25,7 @@ class DyingEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return [ord(c) % 256 for c in prompt]
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: object = None) -> list[int]:
         return self.tokenize("".join(m["content"] for m in messages))
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:

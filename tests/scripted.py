@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from shared.engine import EngineDelta, EngineInfo, SamplingRequest
 
@@ -28,7 +29,7 @@ class ScriptedEngine:
         self.tokenized_on.append(threading.current_thread().name)
         return [len(word) for word in prompt.split()] or [1]
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: object = None) -> list[int]:
         return self.tokenize(" ".join(m["content"] for m in messages))
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:

@@ -72,6 +72,8 @@ def test_schema_file_matches_runner_signature() -> None:
         "frequency_penalty",
         "stop_sequences",
         "seed",
+        "json_schema",
+        "tools",
         "request_id",
     }
     assert inputs["max_tokens"]["maximum"] == Settings().max_tokens_limit

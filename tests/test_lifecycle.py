@@ -84,7 +84,7 @@ class SleepyLLM:
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         assert not self.sleeping, "a request reached a sleeping engine"
         self.generated += 1
-        completion = SimpleNamespace(text="x", token_ids=[7], finish_reason="length")
+        completion = SimpleNamespace(text="x", token_ids=[7], finish_reason="length", index=0)
         yield SimpleNamespace(outputs=[completion], finished=True, num_cached_tokens=0)
 
 
