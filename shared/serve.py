@@ -22,18 +22,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
-    import uvicorn
+    from shared.process import run_server
 
-    from shared.api import create_app
-
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        # The API is one process driving one in-process engine; keep-alive helps SSE clients.
-        timeout_keep_alive=30,
-    )
+    # Non-zero only when the engine died: a supervisor must then replace this process.
+    exit_code = run_server(settings)
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 if __name__ == "__main__":
