@@ -33,6 +33,9 @@ WATCH_INTERVAL_S = 0.25  # how often the watchdog reads the engine's (lock-free)
 SIGNAL_SETTLE_S = 0.2
 # Upper bound on waiting for in-flight streams to receive their error events before exiting.
 ERROR_FLUSH_BOUND_S = 5.0
+# Then the server stays up this long answering 503, so health probes and load balancers see a
+# clear refusal (and route away) before the port closes and clients see connection errors.
+ENGINE_DEAD_LINGER_S = 2.0
 
 ExitRequest = Callable[[int], None]
 
@@ -80,6 +83,7 @@ class Lifecycle:
         self.state = self.ENGINE_DEAD
         log.error("the engine died; refusing new requests and exiting once in-flight streams ended")
         await _streams_ended(service, ERROR_FLUSH_BOUND_S)
+        await asyncio.sleep(ENGINE_DEAD_LINGER_S)
         if self.request_exit is not None:
             self.request_exit(ENGINE_DEAD_EXIT_CODE)
 
