@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench bench-capacity cog-schema lint clean
+.PHONY: install serve test bench bench-prefix bench-capacity cog-schema lint clean
 
 install: $(STAMP)
 
@@ -30,13 +30,18 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) -m shared.bench suite --out bench/results
+	$(PY) -m bench suite --out bench/results
+
+# The shared-prefix workload (a 512-token common prefix, 32 unique tokens), prefix caching on, then off.
+bench-prefix: $(STAMP)
+	$(PY) -m bench suite --out bench/results/prefix --targets bundle --prefix-caching on,off \
+	  --shared-prefix-tokens 512 --prompt-tokens 32 --levels 1,8,32 --capacity 0
 
 cog-schema: $(STAMP)
 	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json
 
 lint: $(STAMP)
-	$(PY) -m ruff check shared modal_app cost_model cog tests
+	$(PY) -m ruff check shared modal_app cost_model cog bench tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -4,6 +4,11 @@
 # (a) raw AsyncLLM in-process, (b) the bundle's server over HTTP + SSE, (c) vLLM's own server.
 # (The Modal wrapper's app is the same create_app() object as (b), so it is not run twice.)
 #
+# Every stage is one device command and stays inside its 10-minute limit (16 cores; an engine
+# start is ~40 s with a warm compile cache, ~100 s empty): each level is run 3 times on fresh
+# prompts (no prefix-cache hits between runs, see bench/workload.py), the median reported with
+# the spread, and every run is in the JSON. Stages that add to one report use --merge.
+#
 # Call sequence (from this machine, with the device tool's `run`), back to back:
 #   1. bash ../shared/gpu/prepare.sh              # once, here: wheels into .gpu/c00..c07
 #      plus .whl/ (git-ignored) with what the GPU image lacks, for cp312:
@@ -11,15 +16,20 @@
 #        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
 #        -d .whl pydantic-settings==2.11.0 python-dotenv==1.1.1 orjson==3.11.3 py-spy==0.4.1
 #   2. for each chunk: run(carry=[".gpu/cNN"], "mkdir -p /tmp/wh && mv .gpu/cNN/* /tmp/wh/")
-#   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")
-#   4. run("bash bench/gpu.sh servers")          # same warm machine: compile cache reused
-#   5. optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
-#   6. optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256
-#      streams (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
-# Results: bench/gpu-results/bench.{json,md,png} (ttft1: bench/gpu-results/ttft1/) on the
-# device, copied to $OUT.
+#   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")   # ~4-5 min, fills the compile cache
+#   4. run("bash bench/gpu.sh bundle")         # ~4 min  } the three-target table, same engine flags,
+#   5. run("bash bench/gpu.sh vllm")           # ~4 min  } prefix caching on for all (vLLM's default)
+#   6. run("bash bench/gpu.sh presets")        # ~6 min: bundle:throughput vs `vllm serve` defaults, 1 and 256
+#   7. run("bash bench/gpu.sh prefix-on")      # ~4 min  } shared-prefix workload (2,000-token system
+#   8. run("bash bench/gpu.sh prefix-off")     # ~4 min  } prompt + 64 unique), caching on, then off
+#   optional: run("bash bench/gpu.sh preset-latency"), run("bash bench/gpu.sh preset-fast-boot")
+#   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
+#   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
+#      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
+# Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
+# copied to $OUT/<same name>/ with the server logs.
 set -euo pipefail
-stage=${1:-all}
+stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
   bash .gpu/install.sh
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -29,18 +39,28 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
-common=(--levels 1,16,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000
-        --clients 4 --repeat 1 --capacity 0 --out bench/gpu-results --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build")
+machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
+common=(--rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 3
+        --capacity 0 --machine "$machine")
+suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
+  local name=$1; shift
+  python3 -m bench suite "${common[@]}" --out "bench/gpu-results/$name" "$@"
+  mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
+}
 case "$stage" in
-  raw) python3 -m shared.bench suite "${common[@]}" --targets raw ;;
-  servers) python3 -m shared.bench suite "${common[@]}" --targets bundle,vllm_server --merge ;;
-  all) python3 -m shared.bench suite "${common[@]}" ;;
+  raw) suite bench --levels 1,16,64,256 --targets raw --prefix-caching on ;;
+  bundle) suite bench --levels 1,16,64,256 --targets bundle --prefix-caching on --merge ;;
+  vllm) suite bench --levels 1,16,64,256 --targets vllm_server --prefix-caching on --merge ;;
+  presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
+  preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
+  preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;
+  prefix-on|prefix-off)  # 2,000 shared + 64 unique prompt tokens, 128 out, one wave per level
+    merge=()
+    if [ "$stage" = prefix-off ]; then merge=(--merge); fi
+    suite prefix --levels 1,64,256 --rounds 1 --shared-prefix-tokens 2000 --prompt-tokens 64 \
+      --output-tokens 128 --targets bundle --prefix-caching "${stage#prefix-}" "${merge[@]}" ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
-    python3 -m shared.bench suite --levels 1 --rounds 32 --prompt-tokens 512 --output-tokens 64 \
-      --vocab 128000 --clients 1 --repeat 1 --capacity 0 --out bench/gpu-results/ttft1 \
-      --machine "1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
-    mkdir -p "${OUT:-/tmp/out}/ttft1" && cp bench/gpu-results/ttft1/bench.* "${OUT:-/tmp/out}/ttft1/"
-    exit 0 ;;
+    suite ttft1 --levels 1 --rounds 32 --output-tokens 64 --clients 1 ;;
   profile)
     mkdir -p bench/gpu-results
     spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
@@ -53,16 +73,16 @@ case "$stage" in
       sleep 2
     done
     load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
-    python3 -m shared.bench http "${load[@]}" --levels 4 --rounds 1 > /dev/null  # warm-up
+    python3 -m bench http "${load[@]}" --levels 4 --rounds 1 --seed 1 > /dev/null  # warm-up
     for level in 1 256; do
       "$spy" record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
       recorder=$!
-      python3 -m shared.bench http "${load[@]}" --levels $level --rounds 2
+      python3 -m bench http "${load[@]}" --levels $level --rounds 2
       wait "$recorder" || true
       python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15 || true
     done
     kill "$server" && wait "$server" || true
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
+  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off ttft1 profile"; exit 2 ;;
 esac
-mkdir -p "${OUT:-/tmp/out}" && cp bench/gpu-results/bench.* bench/gpu-results/*.log "${OUT:-/tmp/out}/" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

@@ -110,6 +110,6 @@ class Runner(BaseRunner):
             seed=seed,
         )
         # Bad input raises a BundleError here: coglet turns it into a failed prediction.
-        subscription = bridge.start_chat(self.service, body, request_id)
+        subscription = await bridge.start_chat(self.service, body, request_id)
         pieces: Iterator[str] = bridge.stream_text(subscription, self.loop, CancelationException, signal)
         return pieces  # type: ignore[return-value]  # coglet streams a returned sync generator

@@ -59,7 +59,7 @@ MODEL_REVISION = "12fd6884d2585dd4d020373e7f39f74507b31866"
 # Read once, here, at import: the decorators below need plain values. The same variables are
 # handed to the container (see `CONTAINER_ENV`), where this module is imported again and
 # rebuilds the same settings, so the decorators and the engine can never disagree.
-SETTINGS = Settings().with_default_model(MODEL, MODEL_REVISION)
+SETTINGS = Settings().with_default_model(MODEL, MODEL_REVISION).with_default_preset("throughput")
 MODAL = ModalSettings()
 
 # One container accepts up to max_inputs streams and the autoscaler aims for target_inputs

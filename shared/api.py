@@ -174,6 +174,11 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     service = _service(request)
     request_id = parse_request_id(request.headers.get("x-request-id"))
     subscription = service.open(kind, body, request_id, _last_event_id(request))
+    try:
+        await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
+    except BaseException:
+        subscription.close()
+        raise
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)

@@ -226,9 +226,16 @@ def current_cancel_signal(*, under_coglet: bool) -> CancelSignal | None:
 
 
 # --- a generation as a blocking iterator ------------------------------------------------------
-def start_chat(service: Service, body: ChatCompletionRequest, request_id: str | None) -> Subscription:
-    """Open (or re-attach to, same request_id) a generation; call on the engine's loop."""
-    return service.open("chat", body, request_id or None)
+async def start_chat(service: Service, body: ChatCompletionRequest, request_id: str | None) -> Subscription:
+    """Open (or re-attach to, same request_id) a generation and wait until its prompt passed
+    every check (bad input raises here: a failed prediction); run on the engine's loop."""
+    subscription = service.open("chat", body, request_id or None)
+    try:
+        await subscription.admitted()
+    except BaseException:
+        subscription.close()
+        raise
+    return subscription
 
 
 async def _next(pieces: AsyncIterator[str]) -> str:

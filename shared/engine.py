@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.presets import apply_preset
 from shared.settings import Settings
 from shared.tiny_model import ensure_model
 
@@ -44,6 +45,23 @@ class EngineDelta:
     text: str
     token_count: int
     finish_reason: str | None = None
+
+
+@dataclass
+class PrefixCacheCounts:
+    """Prompt tokens the engine looked up in its prefix cache, and those it found there.
+
+    Summed from vLLM's own per-request count (`RequestOutput.num_cached_tokens`, set by its
+    scheduler when it first schedules the request), which needs no stat logging: the engine's
+    flags stay those of a server run with `--disable-log-stats`, on vLLM 0.26 and 0.32 alike.
+    """
+
+    queries: int = 0
+    hits: int = 0
+
+    def record(self, prompt_tokens: int, cached_tokens: int | None) -> None:
+        self.queries += prompt_tokens
+        self.hits += cached_tokens or 0
 
 
 @dataclass
@@ -83,6 +101,7 @@ class VLLMEngine:
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self.info = info
+        self.prefix_cache = PrefixCacheCounts()
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
@@ -100,8 +119,12 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        first = True
         try:
             async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
+                if first:  # the count is known from the first output on
+                    self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
+                    first = False
                 completion = output.outputs[0]
                 yield EngineDelta(
                     text=completion.text,
@@ -160,6 +183,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
     """Translate the settings into vLLM's AsyncEngineArgs, with CPU-friendly defaults."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    settings = apply_preset(settings, on_cpu)
     optional = {
         "max_model_len": settings.max_model_len,
         "max_num_batched_tokens": settings.max_num_batched_tokens,

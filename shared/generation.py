@@ -31,7 +31,7 @@ class GenerationOutput:
         events: EventLog,
         stream: bool,
         include_usage: bool,
-        prompt_tokens: int,
+        prompt_tokens: int = 0,
     ) -> None:
         self.encoder = encoder
         self.events = events
@@ -43,9 +43,24 @@ class GenerationOutput:
         self.error: BundleError | None = None
         self.done = False
         self.finished_at: float | None = None
-        self._text_changed = Notifier()  # made to wait on only by text readers (Cog, whole bodies)
+        self.accepted = False  # the prompt was rendered and passed the checks; it may reach the engine
+        self._text_changed = Notifier()  # waited on only by text and admission readers
 
     # --- writing (the producer task only) ----------------------------------------------------
+    def accept(self, prompt_tokens: int) -> None:
+        self.usage.prompt_tokens = prompt_tokens
+        self.accepted = True
+        self._text_changed.notify()
+
+    def reject(self, error: BundleError) -> None:
+        """Refused before the engine (bad input found while rendering the prompt): readers
+        waiting for admission get `error` as an HTTP error, and no stream is ever sent."""
+        self.error = error
+        self.done = True
+        self.finished_at = time.monotonic()
+        self.events.close()
+        self._text_changed.notify()
+
     def emit(self, data: bytes) -> None:
         if self.stream:
             self.events.append(data)
@@ -75,6 +90,13 @@ class GenerationOutput:
         self._text_changed.notify()
 
     # --- reading ----------------------------------------------------------------------------
+    async def admission(self) -> None:
+        """Wait until the prompt is accepted (return) or refused (raise its 4xx error)."""
+        while not self.accepted:
+            if self.done:
+                raise self.error or GenerationFailed("generation ended before admission")
+            await self._text_changed.wait()
+
     async def follow_text(self) -> AsyncIterator[str]:
         """Yield the text from the start, each time everything new joined in one piece (a reader
         that falls behind gets its backlog at once); raise the generation's error if it failed."""

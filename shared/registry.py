@@ -67,6 +67,11 @@ class Subscription:
     def stream(self) -> bool:
         return self._entry.output.stream
 
+    async def admitted(self) -> None:
+        """Return once the request passed every check and may reach the engine; raise its 4xx
+        otherwise. Call before sending a status line: bad input must never be a 200."""
+        await self._entry.output.admission()
+
     async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point, live until the end; closes the subscription after."""
         self._metrics.active_streams.inc()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
 from shared.engine import Engine, SamplingRequest
-from shared.errors import EventsGone, InvalidRequest, ModelNotFound
+from shared.errors import BundleError, Cancelled, EventsGone, GenerationFailed, InvalidRequest, ModelNotFound
 from shared.generation import GenerationOutput, produce
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
@@ -27,8 +29,14 @@ from shared.streaming import ChunkEncoder, Kind
 
 __all__ = ["CancelOutcome", "Service", "Subscription"]
 
+log = logging.getLogger(__name__)
+
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 CANCEL_WAIT_S = 5.0  # how long a cancel call waits for the generation to stop before answering
+# Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones in the tokenizer thread, so one huge prompt never stalls the other streams.
+INLINE_TOKENIZE_MAX_CHARS = 4096
+MAX_CHARS_PER_TOKEN = 32  # ordinary text averages ~4 characters per token
 
 
 class Service:
@@ -39,6 +47,7 @@ class Service:
         self.metrics.watch_engine(engine.running_requests)
         self.registry = Registry(settings, self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
         if settings.engine_stats_file is not None:
             publisher = publish_engine_stats(
                 engine, settings.engine_stats_file, settings.engine_stats_interval_s
@@ -50,6 +59,7 @@ class Service:
         await self.registry.shutdown()
         if self._stats_task is not None:
             self._stats_task.cancel()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- the door -------------------------------------------------------------------------------
     def open(
@@ -116,31 +126,75 @@ class Service:
         return self._start(kind, body, request_id, fingerprint)
 
     def _start(self, kind: Kind, body: OpenAIRequest, request_id: str | None, fingerprint: str | None) -> Entry:
-        prompt_ids = self._prompt_ids(body)
-        sampling = self._sampling(body, prompt_ids)
+        """Register and start a generation. Only cheap checks run here, on the event loop; the
+        prompt is rendered and checked inside the generation's task (`_prepare_and_produce`),
+        and readers wait for that verdict (`Subscription.admitted`) before any 200 is sent."""
+        self._check_prompt_size(body)
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
             events=ReplayBuffer(self.settings.max_events_per_request),
             stream=body.stream,
             include_usage=body.include_usage,
-            prompt_tokens=len(prompt_ids),
         )
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
-            await produce(
-                out,
-                self.engine,
-                sampling,
-                self.metrics,
-                self.settings.request_timeout_s,
-                engine_request_id=completion_id,
-                abort_reason=abort_reason,
-            )
+            await self._prepare_and_produce(out, body, completion_id, abort_reason)
 
         entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
         self.registry.start(entry, producer)
         return entry
+
+    async def _prepare_and_produce(
+        self, output: GenerationOutput, body: OpenAIRequest, completion_id: str, abort_reason: Callable[[], str]
+    ) -> None:
+        try:
+            prompt_ids = await self._render_off_loop(body)
+            sampling = self._sampling(body, prompt_ids)
+        except BundleError as exc:
+            output.reject(exc)  # a 4xx for every reader; the engine never saw it
+            return
+        except asyncio.CancelledError:  # aborted while rendering (its only reader left)
+            output.reject(Cancelled(f"generation aborted: {abort_reason()}"))
+            return
+        except Exception as exc:  # a tokenizer failure must not leave readers waiting
+            log.exception("rendering the prompt failed")
+            output.reject(GenerationFailed(f"rendering the prompt failed: {type(exc).__name__}"))
+            return
+        output.accept(prompt_tokens=len(prompt_ids))
+        await produce(
+            output,
+            self.engine,
+            sampling,
+            self.metrics,
+            self.settings.request_timeout_s,
+            engine_request_id=completion_id,
+            abort_reason=abort_reason,
+        )
+
+    async def _render_off_loop(self, body: OpenAIRequest) -> list[int]:
+        """Tokenize (or apply the chat template) without stalling other streams: a long prompt
+        goes to the one tokenizer thread (one, because a Hugging Face tokenizer is not safe to
+        call from two threads at once), a short one is cheaper to do right here than to hop."""
+        if _prompt_chars(body) <= INLINE_TOKENIZE_MAX_CHARS:
+            return self._prompt_ids(body)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, body)
+
+    def _check_prompt_size(self, body: OpenAIRequest) -> None:
+        """Refuse prompts that cannot fit before paying to tokenize them (a 1 MB prompt costs
+        about a second of CPU): no tokenizer in use packs more than MAX_CHARS_PER_TOKEN
+        characters into one token on ordinary text, so more characters than that many times
+        the token limit can only be refused after tokenizing anyway."""
+        limit = self.settings.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        chars = _prompt_chars(body)
+        if chars > limit:
+            raise InvalidRequest(
+                f"prompt has {chars} characters; at most {limit} can fit the limit of "
+                f"{self.settings.max_prompt_tokens} tokens",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.model_name:
@@ -212,3 +266,18 @@ def _fingerprint(kind: Kind, body: OpenAIRequest) -> str:
         option=orjson.OPT_SORT_KEYS,
     )
     return hashlib.sha256(canonical).hexdigest()
+
+
+def _prompt_chars(body: OpenAIRequest) -> int:
+    """Characters of text the prompt carries (token-id prompts count as none)."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(_content_chars(message.content) for message in body.messages)
+    return len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
+def _content_chars(content: object) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # content parts: count their text
+        return sum(len(getattr(part, "text", None) or "") for part in content)
+    return 0

@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     tiny_model_seed: int = 0
 
     # --- engine arguments (passed to vLLM's AsyncEngineArgs) -------------------------------
+    preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
+        None,
+        description="Named engine knobs (shared/presets.py); an engine field set explicitly wins.",
+    )
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = Field(
@@ -125,6 +129,12 @@ class Settings(BaseSettings):
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
 
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _no_preset(cls, value: Any) -> Any:
+        # BUNDLE_PRESET= or BUNDLE_PRESET=none: no preset, even where a deploy defaults to one.
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
@@ -154,6 +164,12 @@ class Settings(BaseSettings):
         if "model_revision" not in self.model_fields_set:
             update["model_revision"] = revision
         return self.model_copy(update=update)
+
+    def with_default_preset(self, preset: str) -> Settings:
+        """These settings with `preset` unless BUNDLE_PRESET was given (even as empty: none)."""
+        if "preset" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"preset": preset})
 
     def deploy_env(self) -> dict[str, str]:
         """The BUNDLE_* variables that rebuild these settings inside a deployed container.

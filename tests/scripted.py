@@ -6,6 +6,7 @@ a test controls every step without sleeping."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 from shared.engine import EngineDelta, EngineInfo, SamplingRequest
@@ -21,8 +22,10 @@ class ScriptedEngine:
         self.started: list[str] = []  # engine request ids, in order
         self.aborted: list[str] = []
         self.running: dict[str, asyncio.Queue[int]] = {}
+        self.tokenized_on: list[str] = []  # the thread each prompt was tokenized on
 
     def tokenize(self, prompt: str) -> list[int]:
+        self.tokenized_on.append(threading.current_thread().name)
         return [len(word) for word in prompt.split()] or [1]
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 import time
+import types
 from pathlib import Path
 
-from shared.bench import logged_batch_tokens, markdown_table, process_cpu_s
+from bench.__main__ import main as bench_main
+from bench.levels import Meters, run_levels
+from bench.report import markdown_table
+from bench.servers import logged_batch_tokens, process_cpu_s
+from bench.workload import Workload
 
 
 def test_process_cpu_counts_this_process_burning_cpu() -> None:
@@ -56,3 +63,65 @@ def test_cpu_table_appears_only_where_cpu_was_measured() -> None:
     assert "| 1 | 0.250 |" in with_cpu
     without = markdown_table(_report({"raw": {"levels": [_level(1)]}}))
     assert "CPU time" not in without
+
+
+def test_prefix_cache_hit_rate_and_preset_ratio_are_in_the_table() -> None:
+    cached = {**_level(256), "prefix_cache": {"queries": 100, "hits": 3, "hit_rate": 0.03}}
+    cached["runs_output_tokens_per_s"] = [90.0, 100.0, 110.0]
+    targets = {"bundle:throughput": {"levels": [cached]}, "vllm_server:defaults": {"levels": [_level(256)]}}
+    table = markdown_table(_report(targets))
+    assert "100 ±10% · 10.0 · 1.0/2.0 · 3.0%" in table
+    assert "bundle:throughput / vllm_server:defaults" in table
+
+
+def test_every_request_of_a_suite_gets_its_own_prompt_and_every_target_the_same() -> None:
+    async def collect(workload: Workload) -> list[list[int]]:
+        sent: list[list[int]] = []
+
+        async def runner(prompts: list[list[int]], level: int) -> dict:
+            sent.extend(prompts)
+            return {**_level(level), "output_tokens": 1, "errors": 0}
+
+        await run_levels(runner, workload, [1, 8, 32], rounds=2, repeat=3)
+        return sent
+
+    first, second = asyncio.run(collect(Workload())), asyncio.run(collect(Workload()))
+    assert first == second  # target A's prompts are target B's
+    assert len({tuple(p) for p in first}) == len(first) == 3 * (16 + 16 + 64)
+    assert all(16 <= token < 1000 for prompt in first for token in prompt)
+    warm_up = Workload().prompts(4, "warm-up")
+    assert not {tuple(p) for p in warm_up} & {tuple(p) for p in first}
+
+
+def test_shared_prefix_prompts_share_the_prefix_and_nothing_after_it() -> None:
+    workload = Workload(prompt_tokens=8, shared_prefix_tokens=50)
+    prompts = workload.prompts(20, "c4/r0") + workload.prompts(20, "c4/r1")
+    assert {tuple(p[:50]) for p in prompts} == {tuple(workload.shared_prefix())}
+    assert len({tuple(p[50:]) for p in prompts}) == 40
+    assert all(len(p) == workload.total_prompt_tokens == 58 for p in prompts)
+
+
+def test_prefix_cache_meter_reports_each_runs_own_counts() -> None:
+    counts = iter([(0, 0), (128, 0), (128, 0), (384, 64)])
+
+    async def runner(prompts: list[list[int]], level: int) -> dict:
+        return {**_level(level), "output_tokens": 1, "errors": 0}
+
+    meters = Meters(prefix_cache=lambda: next(counts))
+    [level] = asyncio.run(run_levels(runner, Workload(), [1], rounds=1, repeat=2, meters=meters))
+    assert level["runs_prefix_cache_hit_rate"] == [0.0, 0.25]
+
+
+def test_startup_subcommand_hands_the_rest_of_the_line_to_its_main(monkeypatch) -> None:
+    seen: list[list[str]] = []
+    module = types.ModuleType("bench.startup")
+    module.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "bench.startup", module)
+    assert bench_main(["startup", "--runs", "2", "--help-me"]) == 0
+    assert seen == [["--runs", "2", "--help-me"]]
+
+
+def test_startup_subcommand_without_its_module_says_so_and_exits_2(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "bench.startup", None)  # as if bench/startup.py were absent
+    assert bench_main(["startup"]) == 2
+    assert "bench/startup.py" in capsys.readouterr().err

@@ -6,6 +6,7 @@ exactly the tokens a test releases; behaviour end to end is tested on the real e
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(20)  # milliseconds each; a hang is a bug, not 
 
 
 def chat(**extra: Any) -> ChatCompletionRequest:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}], "stream": True, "max_tokens": 8}
+    messages = [{"role": "user", "content": "a b c"}]
+    body = {"model": "tiny", "messages": messages, "stream": True, "max_tokens": 8}
     return parse_request(ChatCompletionRequest, {**body, **extra})
 
 
@@ -170,6 +172,35 @@ async def test_text_readers_get_every_piece_once_and_the_whole_body() -> None:
     assert body["choices"][0]["message"]["content"] == text
     assert body["usage"]["completion_tokens"] == 8
     subscription.close()
+
+
+async def test_a_prompt_refused_after_rendering_is_an_error_before_any_event() -> None:
+    service, engine = make_service(max_prompt_tokens=3)
+    subscription = service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
+    with pytest.raises(InvalidRequest, match="tokens"):
+        await subscription.admitted()
+    subscription.close()
+    assert engine.started == []  # never reached the engine
+
+
+async def test_an_oversized_prompt_is_refused_before_tokenizing() -> None:
+    service, engine = make_service(max_prompt_tokens=10)
+    with pytest.raises(InvalidRequest, match="characters"):
+        service.open("chat", chat(messages=[{"role": "user", "content": "x" * 1000}]))
+    assert engine.tokenized_on == []
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
+    service, engine = make_service()
+    short = service.open("chat", chat())
+    await short.admitted()
+    long = service.open("chat", chat(messages=[{"role": "user", "content": "word " * 2000}]))
+    await long.admitted()
+    loop_thread = threading.current_thread().name
+    assert engine.tokenized_on[0] == loop_thread  # cheaper inline than a thread hop
+    assert engine.tokenized_on[1] != loop_thread
+    short.close()
+    long.close()
 
 
 async def _release(engine: ScriptedEngine, tokens: int) -> None:

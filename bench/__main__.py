@@ -1,0 +1,127 @@
+"""`python -m bench`: run the benchmark.
+
+    python -m bench suite --out bench/results     # what `make bench` runs
+    python -m bench http --url http://127.0.0.1:8000
+    python -m bench startup ...                   # start-up benchmark (bench/startup.py)
+
+Engine settings come from the usual BUNDLE_* variables (the tiny CPU model by default; on a
+GPU e.g. BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+
+from bench.specs import KINDS
+from bench.workload import Workload
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["startup"]:
+        # Its own arguments, parsed by its own main: everything after the word goes there.
+        return run_startup(argv[1:])
+    args = parser().parse_args(argv)
+    if args.command == "suite":
+        from bench.specs import BadTarget, TargetSpec
+        from bench.suite import run_suite
+
+        try:
+            [TargetSpec.parse(name) for name in args.targets.split(",")]
+        except BadTarget as exc:
+            print(f"python -m bench suite: {exc}", file=sys.stderr)
+            return 2
+        run_suite(args)
+        return 0
+    from bench.targets import bench_http
+
+    workload = Workload(
+        args.prompt_tokens,
+        args.output_tokens,
+        args.vocab,
+        seed=args.seed,
+        model=args.model,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+    )
+    levels = [int(x) for x in args.levels.split(",")]
+    asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
+    return 0
+
+
+def run_startup(argv: list[str]) -> int:
+    """Hand over to `bench.startup.main`, imported only when asked for (it may be absent)."""
+    try:
+        startup = importlib.import_module("bench.startup")
+    except ModuleNotFoundError as exc:
+        if exc.name != "bench.startup":
+            raise
+        print("python -m bench startup: bench/startup.py is not in this checkout", file=sys.stderr)
+        return 2
+    return int(startup.main(argv))
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = top.add_subparsers(dest="command", required=True)
+    for name in ("suite", "http"):
+        _load_arguments(sub.add_parser(name))
+    sub.add_parser("startup", help="start-up benchmark; its arguments: python -m bench startup --help")
+    suite = sub.choices["suite"]
+    suite.add_argument("--out", default="bench/results")
+    suite.add_argument(
+        "--targets", default=",".join(KINDS), help="raw, bundle, vllm_server; KIND:PRESET; vllm_server:defaults"
+    )
+    suite.add_argument(
+        "--prefix-caching",
+        type=_on_off_list,
+        default=[True],
+        help="on, off or on,off: each target once per mode, the flag passed explicitly to all (default on)",
+    )
+    suite.add_argument("--capacity", type=int, default=1000, help="streams held open; 0: skip")
+    suite.add_argument("--machine", default="", help="how to name the machine in the report")
+    suite.add_argument("--merge", action="store_true", help="add to the targets in --out/bench.json")
+    http = sub.choices["http"]
+    http.add_argument("--url", required=True)
+    http.add_argument("--model", default="tiny")
+    http.add_argument("--api-key")
+    return top
+
+
+def _load_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--levels", default="1,8,32,128", help="concurrency levels")
+    p.add_argument("--rounds", type=int, default=2, help="requests per level = level x rounds, at least 16")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
+    p.add_argument("--repeat", type=int, default=3, help="runs per level; the median run is reported")
+    p.add_argument("--seed", type=int, default=0, help="prompts are a function of this and the batch")
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        help="a common prefix of this many tokens before each prompt's unique --prompt-tokens",
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=1 if (os.cpu_count() or 1) <= 4 else 4,
+        help="client processes for HTTP targets (default: 4 on machines with >4 CPUs)",
+    )
+
+
+def _on_off_list(text: str) -> list[bool]:
+    modes = {"on": True, "off": False}
+    words = [word.strip() for word in text.split(",")]
+    if not words or any(word not in modes for word in words):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, not {text!r}")
+    return [modes[word] for word in words]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""The level loop: every level `repeat` times, the median run kept with every run's figures
+beside it, plus what the serving process spent (CPU per output token) and what vLLM's prefix
+cache served. The same loop for in-process, single-client and multi-process targets: what
+differs is the runner and the meters passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from bench.loadgen import cache_counts
+from bench.workload import Workload
+
+# CPU seconds used so far by the process that serves (the API process; for raw, the bench).
+# CPU time per token is the serving layer's cost that survives a noisy machine: wall-clock
+# figures on two shared cores move with whoever got the CPU, CPU seconds far less.
+CpuClock: TypeAlias = Callable[[], float]
+# The engine's prefix-cache counts so far: (prompt tokens looked up, tokens found).
+CacheCounter: TypeAlias = Callable[[], tuple[int, int]]
+
+# Runs one level: (prompts, concurrency) -> its summary.
+LevelRunner: TypeAlias = Callable[[list[list[int]], int], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Meters:
+    """Readings taken around each run, for targets whose requests do not report them."""
+
+    serving_cpu: CpuClock | None = None
+    prefix_cache: CacheCounter | None = None
+
+
+NO_METERS = Meters()
+
+
+async def run_levels(
+    run: LevelRunner,
+    workload: Workload,
+    levels: list[int],
+    rounds: int,
+    repeat: int = 1,
+    meters: Meters = NO_METERS,
+) -> list[dict]:
+    """Each level `repeat` times on fresh prompts (see bench/workload.py), the median run kept."""
+    results = []
+    for level in levels:
+        runs = []
+        for attempt in range(repeat):
+            prompts = workload.prompts(requests_per_level(level, rounds), f"c{level}/r{attempt}")
+            runs.append(await _measured(run, prompts, level, meters))
+        results.append(median_run(runs))
+        print(_line(results[-1]), flush=True)
+    return results
+
+
+async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, meters: Meters) -> dict:
+    cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
+    cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
+    result = await run(prompts, level)
+    if meters.serving_cpu is not None and result["output_tokens"]:
+        result["serving_cpu_ms_per_token"] = (
+            1000 * (meters.serving_cpu() - cpu_before) / result["output_tokens"]
+        )
+    if meters.prefix_cache is not None:
+        queries, hits = meters.prefix_cache()
+        result["prefix_cache"] = cache_counts(queries - cache_before[0], hits - cache_before[1])
+    return result
+
+
+MIN_REQUESTS_PER_LEVEL = 16  # low levels would otherwise time a handful of requests: noise
+
+
+def requests_per_level(level: int, rounds: int) -> int:
+    return max(level * rounds, MIN_REQUESTS_PER_LEVEL)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput, carrying every run's figures beside it: on a
+    noisy machine one run per level says little."""
+    ordered = sorted(runs, key=lambda run: run["output_tokens_per_s"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["runs_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs]
+    chosen["runs_ttft_p50_s"] = [run["ttft_s"]["p50"] for run in runs]
+    if all("serving_cpu_ms_per_token" in run for run in runs):
+        chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
+    if all("prefix_cache" in run for run in runs):
+        chosen["runs_prefix_cache_hit_rate"] = [run["prefix_cache"]["hit_rate"] for run in runs]
+    return chosen
+
+
+def _line(level: dict) -> str:
+    cpu = level.get("serving_cpu_ms_per_token")
+    cache = level.get("prefix_cache")
+    return (
+        f"  c={level['concurrency']:>4}  {level['output_tokens_per_s']:>9.1f} tok/s  "
+        f"TTFT p50 {level['ttft_s']['p50'] * 1000:7.1f} ms  ITL p50/p99 "
+        f"{level['itl_s']['p50'] * 1000:.2f}/{level['itl_s']['p99'] * 1000:.2f} ms  "
+        f"errors {level['errors']}"
+        + (f"  serving CPU {cpu:.3f} ms/token" if cpu is not None else "")
+        + (f"  prefix-cache hits {cache['hit_rate']:.1%}" if cache else "")
+    )

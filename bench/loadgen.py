@@ -1,0 +1,105 @@
+"""Load generator: drive one level of concurrency and summarise what came back.
+
+A level is a list of prompts sent with at most N requests in flight, through a requester (one
+request -> its `Sample`) that knows the target: HTTP (`bench.requesters.http_requester`) or
+vLLM's `AsyncLLM` in-process (`bench.requesters.engine_requester`, the floor no server can beat).
+Per level it records time to first token, inter-token latency and end-to-end latency
+(p50/p90/p99), output tokens per second, requests per second and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+
+@dataclass
+class Sample:
+    """One request's timeline (seconds from its start)."""
+
+    ok: bool
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+    output_tokens: int = 0
+    gaps_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    # Prompt tokens vLLM served from its prefix cache (its own per-request count,
+    # `RequestOutput.num_cached_tokens`); None where the target does not report it.
+    cached_tokens: int | None = None
+
+
+# One request: prompt token ids -> its timeline.
+Requester: TypeAlias = Callable[[list[int]], Awaitable[Sample]]
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    good = [s for s in samples if s.ok]
+    tokens = sum(s.output_tokens for s in good)
+    decode_rates = [
+        (s.output_tokens - 1) / (s.total_s - s.first_token_s)
+        for s in good
+        if s.output_tokens > 1 and s.total_s > s.first_token_s
+    ]
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "errors": len(samples) - len(good),
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "per_stream_tokens_per_s": statistics.median(decode_rates) if decode_rates else 0.0,
+        "requests_per_s": len(good) / wall_s if wall_s else 0.0,
+        "ttft_s": percentiles([s.first_token_s for s in good]),
+        "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
+        "e2e_s": percentiles([s.total_s for s in good]),
+        **prefix_cache_summary(good),
+    }
+
+
+def prefix_cache_summary(samples: list[Sample]) -> dict[str, Any]:
+    """{"prefix_cache": queries, hits, hit rate} from the samples, or {} if none reported it."""
+    reported = [s for s in samples if s.cached_tokens is not None]
+    if not reported:
+        return {}
+    return {
+        "prefix_cache": cache_counts(
+            sum(s.prompt_tokens for s in reported), sum(s.cached_tokens or 0 for s in reported)
+        )
+    }
+
+
+def cache_counts(queries: int, hits: int) -> dict[str, Any]:
+    """Prompt tokens looked up in the prefix cache, those found, and the share found."""
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
+
+
+async def run_level(one_request: Requester, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
+    """Start all requests of a level with at most `concurrency` in flight."""
+    started = time.perf_counter()
+    samples = await gather_limited(one_request, prompts, concurrency)
+    return summarise(concurrency, samples, time.perf_counter() - started)
+
+
+async def gather_limited(one_request: Requester, prompts: list[list[int]], concurrency: int) -> list[Sample]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(prompt: list[int]) -> Sample:
+        async with gate:
+            return await one_request(prompt)
+
+    return list(await asyncio.gather(*(limited(p) for p in prompts)))

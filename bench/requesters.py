@@ -1,0 +1,122 @@
+"""Requesters: one request to a target -> its `Sample`, over HTTP + SSE or straight into
+vLLM's `AsyncLLM`. The HTTP side does as little work per event as it can (it splits events and
+reads only the final usage chunk), so the numbers measure the server, not the client.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+from bench.loadgen import Requester, Sample
+from bench.workload import Workload
+
+
+def load_client(
+    url: str, connections: int, read_timeout_s: float = 600.0, connect_timeout_s: float = 30.0
+) -> httpx.AsyncClient:
+    """An HTTP client for load: no connection cap, `connections` kept alive, long reads."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=connections)
+    return httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=httpx.Timeout(connect_timeout_s, read=read_timeout_s)
+    )
+
+
+# --- over HTTP ----------------------------------------------------------------------------------
+def http_requester(client: httpx.AsyncClient, workload: Workload, api_key: str | None = None) -> Requester:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def one(prompt: list[int]) -> Sample:
+        body = {
+            "model": workload.model,
+            "prompt": prompt,
+            "max_tokens": workload.output_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        arrivals: list[float] = []
+        usage: dict[str, Any] = {}
+        try:
+            async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return Sample(ok=False)
+                buffer = b""
+                async for piece in r.aiter_raw():
+                    now = time.perf_counter()
+                    buffer += piece
+                    *events, buffer = buffer.split(b"\n\n")
+                    carried_text = False
+                    for event in events:
+                        carried_text |= _read_event(event, usage)
+                    # One arrival per read that brought text: tokens that reach the client in
+                    # one read arrive together, whatever the number of events.
+                    if carried_text:
+                        arrivals.append(now - started)
+        except httpx.HTTPError:
+            return Sample(ok=False)
+        sample = _sample(arrivals, time.perf_counter() - started, usage.get("completion_tokens", 0))
+        sample.prompt_tokens = usage.get("prompt_tokens", len(prompt))
+        # vLLM's server reports it with --enable-prompt-tokens-details; the bundle does not.
+        sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return sample
+
+    return one
+
+
+def _read_event(event: bytes, usage: dict[str, Any]) -> bool:
+    """Whether this event carries text; the final usage chunk is copied into `usage`."""
+    data = event[event.find(b"data: ") + 6 :]
+    if data == b"[DONE]" or not data:
+        return False
+    if b'"usage":{' in data and b'"choices":[]' in data:
+        usage.update(orjson.loads(data)["usage"])
+        return False
+    return b'"text":""' not in data
+
+
+def _sample(arrivals: list[float], total: float, tokens: int) -> Sample:
+    if not arrivals:
+        return Sample(ok=False, total_s=total)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return Sample(True, arrivals[0], total, tokens or len(arrivals), gaps)
+
+
+# --- in-process, straight into AsyncLLM -----------------------------------------------------
+def engine_requester(llm: Any, workload: Workload) -> Requester:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=workload.output_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    counter = iter(range(1 << 62))
+
+    async def one(prompt: list[int]) -> Sample:
+        started = time.perf_counter()
+        arrivals: list[float] = []
+        tokens = 0
+        cached: int | None = None
+        try:
+            async for output in llm.generate({"prompt_token_ids": prompt}, params, f"raw-{next(counter)}"):
+                new = len(output.outputs[0].token_ids)
+                if new:
+                    arrivals.append(time.perf_counter() - started)
+                    tokens += new
+                cached = output.num_cached_tokens if cached is None else cached
+        except Exception:
+            return Sample(ok=False)
+        sample = _sample(arrivals, time.perf_counter() - started, tokens)
+        sample.prompt_tokens, sample.cached_tokens = len(prompt), cached or 0
+        return sample
+
+    return one

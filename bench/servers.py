@@ -1,0 +1,187 @@
+"""Servers as child processes: start, wait for health, measure, always stop.
+
+Also what the benchmark reads about a server from outside: its CPU time (/proc), its memory
+high-water mark and the prefill budget its engine logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from shared.engine import engine_args
+from shared.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[int]:
+    """Start a server, wait for /health, yield its pid, and always stop it."""
+    with log.open("wb") as out:
+        # Its own process group (so the engine's children die with it) but NOT its own session:
+        # with the kernel's autogroup scheduling (on by default) a new session is a new CPU
+        # group, and inside it vLLM's spinning CPU-engine processes starve the API process,
+        # which then sends whole responses at once (measured; see README, Performance).
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
+        )
+        try:
+            _wait_healthy(port, process, timeout_s=900)
+            yield process.pid
+        finally:
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the server's group, then SIGKILL whatever of it is left (an engine child can
+    outlive a leader that exited)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 15)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 9)
+
+
+def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError("server did not become healthy in time")
+
+
+def bundle_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "shared.serve", "--port", str(port)]
+
+
+def vllm_server_command(settings: Settings, port: int) -> list[str]:
+    """vLLM's own server on exactly the engine arguments the bundle resolves (preset included)."""
+    from vllm.platforms import current_platform
+
+    args = engine_args(settings, on_cpu=current_platform.is_cpu())
+    command = _vllm_server_base(settings, args, port) + [
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--disable-log-stats",  # as the bundle's engine (shared/engine.py)
+    ]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
+    for flag, value in (
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--quantization", args.quantization),
+        ("--block-size", args.block_size),
+    ):
+        if value:
+            command += [flag, str(value)]
+    if args.enable_prefix_caching is not None:
+        command.append(
+            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    return command
+
+
+def vllm_defaults_command(settings: Settings, port: int) -> list[str]:
+    """`vllm serve` as a user runs it: the model, and vLLM's defaults for everything else (its
+    stat logging, scheduler and prefix caching included). Only what the machine needs is kept:
+    on CPU eager mode and the KV share of host RAM (vLLM's 0.92 fails on small hosts)."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    args = engine_args(settings, on_cpu=on_cpu)
+    command = _vllm_server_base(settings, args, port)
+    if on_cpu:
+        command += ["--enforce-eager", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return command
+
+
+def _vllm_server_base(settings: Settings, args: Any, port: int) -> list[str]:
+    """What every vLLM server run shares: the model, its shape and the load it must serve."""
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        args.model,
+        "--served-model-name",
+        settings.model_name,
+        "--dtype",
+        args.dtype,
+        "--load-format",
+        args.load_format,
+        "--seed",
+        str(settings.engine_seed),
+        "--disable-uvicorn-access-log",
+        # Puts vLLM's own per-request prefix-cache count in the usage chunk (frontend only).
+        "--enable-prompt-tokens-details",
+    ]
+    if args.max_model_len:
+        command += ["--max-model-len", str(args.max_model_len)]
+    return command
+
+
+def logged_batch_tokens(log: Path) -> int | None:
+    """The prefill budget a server's engine resolved, from vLLM's own start-up log line: the
+    proof that every target ran the same scheduler, whoever picked the default."""
+    found = re.search(r"max_num_batched_tokens'?[=:] ?(\d+)", log.read_text(errors="replace"))
+    return int(found.group(1)) if found else None
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's resident-memory high-water mark (Linux), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds so far of every live thread of `pid`, from the scheduler's nanosecond
+    counters (/proc/<pid>/task/*/schedstat); /proc/<pid>/stat counts 10 ms ticks, too coarse for
+    a level of a thousand tokens. A thread that exits between two readings takes its time with
+    it; servers keep theirs for life."""
+    total_ns = 0
+    for schedstat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError):  # the thread ended while we listed
+            total_ns += int(schedstat.read_text().split()[0])
+    return total_ns / 1e9
+
+
+def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
+    """Reads the bundle's prefix-cache counts (prompt tokens looked up, found) from the file its
+    server publishes (shared/stats_file.py); (0, 0) until the first write."""
+
+    def read() -> tuple[int, int]:
+        try:
+            snapshot = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return 0, 0
+        return int(snapshot.get("prefix_cache_queries", 0)), int(snapshot.get("prefix_cache_hits", 0))
+
+    return read

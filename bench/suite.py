@@ -1,0 +1,167 @@
+"""`python -m bench suite`: the bundle against raw AsyncLLM and vLLM's own server, one after
+another on the same engine flags and identical requests, so ratios hold on a noisy box.
+
+Each target is run with each prefix-caching mode asked for (`--prefix-caching on,off`), the
+flag passed explicitly to every target; the JSON holds every run of every level."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import functools
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.levels import Meters
+from bench.loadgen import summarise
+from bench.plot import plot
+from bench.report import markdown_table
+from bench.requesters import http_requester, load_client
+from bench.servers import (
+    bundle_command,
+    free_port,
+    logged_batch_tokens,
+    peak_rss_mib,
+    process_cpu_s,
+    running_server,
+    stats_file_counter,
+    vllm_defaults_command,
+    vllm_server_command,
+)
+from bench.specs import TargetSpec
+from bench.targets import bench_http, bench_raw, import_engine
+from bench.workload import Workload
+from shared.settings import Settings
+
+
+def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+    import_engine()  # before any engine exists: see its docstring
+    specs = [TargetSpec.parse(name) for name in args.targets.split(",")]
+    settings = Settings()
+    workload = Workload(
+        args.prompt_tokens,
+        args.output_tokens,
+        args.vocab,
+        seed=args.seed,
+        model=settings.model_name,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Targets run in separate invocations (a GPU lease splits them) add up in one report.
+    previous = out / "bench.json"
+    results: dict[str, Any] = (
+        orjson.loads(previous.read_bytes())["targets"] if args.merge and previous.exists() else {}
+    )
+    for spec in specs:
+        for caching in args.prefix_caching:
+            name = spec.result_name(caching)
+            print(f"{name}:", flush=True)
+            started = time.perf_counter()
+            results[name] = run_target(spec, caching, workload, args, out)
+            results[name]["seconds"] = time.perf_counter() - started
+    report = {
+        "schema": "bundle-bench/2",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": args.machine or f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
+        "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
+        "workload": vars(workload),
+        "repeat": args.repeat,
+        "targets": results,
+    }
+    (out / "bench.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    (out / "bench.md").write_text(markdown_table(report))
+    with contextlib.suppress(ImportError):
+        plot(report, out / "bench.png")
+    print(markdown_table(report))
+    return report
+
+
+def run_target(
+    spec: TargetSpec, caching: bool, workload: Workload, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    if spec.kind == "raw":
+        levels = [int(x) for x in args.levels.split(",")]
+        result = asyncio.run(bench_raw(spec.settings(caching), workload, levels, args.rounds, args.repeat))
+        return {**result, "prefix_caching": caching}
+    stats = out / f"{_file_stem(spec, caching)}.stats.json"
+    try:
+        return run_server(spec, caching, workload, args, out, stats)
+    finally:
+        stats.unlink(missing_ok=True)  # scratch: the counts are in the report
+
+
+def run_server(
+    spec: TargetSpec, caching: bool, workload: Workload, args: argparse.Namespace, out: Path, stats: Path
+) -> dict[str, Any]:
+    """Start the target's server, measure every level through it, always stop it."""
+    port = free_port()
+    log = out / f"{_file_stem(spec, caching)}.log"
+    env = {
+        **os.environ,
+        **spec.server_env(caching),
+        "BUNDLE_MAX_IN_FLIGHT": str(max(10_000, args.capacity + 100)),
+        "BUNDLE_LOG_LEVEL": "warning",
+        "BUNDLE_ENGINE_STATS_FILE": str(stats),  # the bundle's prefix-cache counts (bench only)
+    }
+    with running_server(server_command(spec, caching, port), port, log, env) as pid:
+        url = f"http://127.0.0.1:{port}"
+        meters = Meters(
+            serving_cpu=functools.partial(process_cpu_s, pid),
+            prefix_cache=stats_file_counter(stats) if spec.kind == "bundle" else None,
+        )
+        levels = [int(x) for x in args.levels.split(",")]
+        run = bench_http(
+            url, workload, levels, args.rounds, clients=args.clients, repeat=args.repeat, meters=meters
+        )
+        result: dict[str, Any] = {
+            "levels": asyncio.run(run),
+            "client_processes": args.clients,
+            "max_num_batched_tokens": logged_batch_tokens(log),
+            "prefix_caching": None if spec.vllm_defaults else caching,
+        }
+        if spec.name == "bundle" and args.capacity:
+            result["capacity"] = asyncio.run(capacity(url, workload, args.capacity))
+            result["capacity"]["server_peak_rss_mib"] = peak_rss_mib(pid)
+    return result
+
+
+def server_command(spec: TargetSpec, caching: bool, port: int) -> list[str]:
+    if spec.kind == "bundle":
+        return bundle_command(port)  # its settings travel in the environment (spec.server_env)
+    if spec.vllm_defaults:
+        return vllm_defaults_command(spec.settings(caching), port)
+    return vllm_server_command(spec.settings(caching), port)
+
+
+def _file_stem(spec: TargetSpec, caching: bool) -> str:
+    return spec.result_name(caching).replace(":", "-").replace("/", "-")
+
+
+async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]:
+    """Hold `streams` streaming requests open at once; count failures and tail latency."""
+    long = Workload(
+        workload.prompt_tokens,
+        workload.output_tokens * 2,
+        workload.vocab_size,
+        seed=workload.seed,
+        model=workload.model,
+    )
+    async with load_client(url, streams, read_timeout_s=900.0, connect_timeout_s=60.0) as c:
+        one = http_requester(c, long)
+        started = time.perf_counter()
+        samples = await asyncio.gather(*(one(p) for p in long.prompts(streams, "capacity")))
+        result = summarise(streams, list(samples), time.perf_counter() - started)
+    print(
+        f"capacity: {streams} streams, {result['errors']} failed, ITL p99 "
+        f"{result['itl_s']['p99'] * 1000:.2f} ms",
+        flush=True,
+    )
+    return result

@@ -1,0 +1,78 @@
+"""The targets: raw `AsyncLLM` in-process, and any OpenAI-compatible server over HTTP."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from bench.client_processes import run_level_in_processes
+from bench.levels import NO_METERS, Meters, run_levels
+from bench.loadgen import run_level
+from bench.requesters import engine_requester, http_requester, load_client
+from bench.workload import Workload
+from shared.engine import batch_token_budget, start_llm, stop_llm
+from shared.settings import Settings
+
+WARM_UP_REQUESTS = 4  # graphs, caches, connections; their prompts are a batch of their own
+
+
+def import_engine() -> None:
+    """Import vLLM's engine before any frame that will hold one is on the stack.
+
+    Importing it records a ModuleNotFoundError (torchcodec, which the CPU install removes) in
+    a module global of `vllm.multimodal.media.audio`. That exception's traceback holds the
+    importing frames and, through them, every caller's frame with its final locals. Imported
+    from inside `bench_raw`, that kept the `AsyncLLM` alive until interpreter teardown, where
+    its `__del__` ran after module globals were cleared: "TypeError: 'NoneType' object is not
+    callable" at the end of `make bench`. Imported from here, the frames held hold no engine.
+    """
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+async def bench_raw(
+    settings: Settings, workload: Workload, levels: list[int], rounds: int, repeat: int = 1
+) -> dict[str, Any]:
+    """The floor: the same engine the bundle builds, driven in-process with no server."""
+    llm = start_llm(settings)
+    try:
+        one = engine_requester(llm, workload)
+        await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
+        # process_time: this process's CPU, where vLLM's client side (output handling,
+        # detokenizing) runs as it does in a server's API process, minus HTTP.
+        meters = Meters(serving_cpu=time.process_time)
+        return {
+            "levels": await run_levels(
+                functools.partial(run_level, one), workload, levels, rounds, repeat, meters
+            ),
+            "max_num_batched_tokens": batch_token_budget(llm),
+        }
+    finally:
+        stop_llm(llm)
+
+
+async def bench_http(
+    url: str,
+    workload: Workload,
+    levels: list[int],
+    rounds: int,
+    api_key: str | None = None,
+    clients: int = 1,
+    repeat: int = 1,
+    meters: Meters = NO_METERS,
+) -> list[dict]:
+    async with load_client(url, max(levels)) as client:
+        one = http_requester(client, workload, api_key)
+        await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
+        if clients <= 1:
+            in_process = functools.partial(run_level, one)
+            return await run_levels(in_process, workload, levels, rounds, repeat, meters)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
+
+        async def in_processes(prompts: list[list[int]], level: int) -> dict[str, Any]:
+            return run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+
+        return await run_levels(in_processes, workload, levels, rounds, repeat, meters)

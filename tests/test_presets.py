@@ -1,0 +1,64 @@
+"""Deploy presets: what each sets, and that an explicit setting always wins."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from shared.engine import engine_args
+from shared.presets import PRESETS, apply_preset
+from shared.settings import Settings
+
+
+def test_every_preset_name_the_settings_accept_has_knobs_and_no_other() -> None:
+    accepted = set(typing.get_args(typing.get_args(Settings.model_fields["preset"].annotation)[0]))
+    assert accepted == set(PRESETS)
+    for knobs in PRESETS.values():
+        assert set(knobs) <= set(Settings.model_fields)  # a preset only sets real settings
+
+
+def test_a_preset_fills_the_engine_arguments() -> None:
+    args = engine_args(Settings(model="/models/m", preset="throughput"), on_cpu=False)
+    assert args.quantization == PRESETS["throughput"]["quantization"]
+    assert args.max_num_batched_tokens == PRESETS["throughput"]["max_num_batched_tokens"]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_an_explicit_setting_wins_over_the_preset(preset: str) -> None:
+    explicit = {"quantization": None, "max_num_batched_tokens": 1234, "max_num_seqs": 7, "enforce_eager": False}
+    args = engine_args(Settings(model="/models/m", preset=preset, **explicit), on_cpu=False)
+    assert (args.quantization, args.max_num_batched_tokens, args.max_num_seqs, args.enforce_eager) == (
+        None,
+        1234,
+        7,
+        False,
+    )
+
+
+def test_from_the_environment_an_explicit_variable_wins_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUNDLE_PRESET", "latency")
+    monkeypatch.setenv("BUNDLE_MAX_NUM_SEQS", "200")
+    settings = apply_preset(Settings())
+    assert settings.max_num_seqs == 200
+    assert settings.max_num_batched_tokens == PRESETS["latency"]["max_num_batched_tokens"]
+
+
+def test_on_cpu_a_preset_leaves_quantization_to_the_user() -> None:
+    args = engine_args(Settings(model="/models/m", preset="throughput"), on_cpu=True)
+    assert args.quantization is None
+    assert args.max_num_batched_tokens == PRESETS["throughput"]["max_num_batched_tokens"]
+    explicit = engine_args(Settings(model="/models/m", preset="throughput", quantization="fp8"), on_cpu=True)
+    assert explicit.quantization == "fp8"
+
+
+def test_no_preset_changes_nothing() -> None:
+    settings = Settings(model="/models/m")
+    assert apply_preset(settings) is settings
+
+
+def test_a_deploy_default_preset_yields_to_the_user_even_to_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().with_default_preset("throughput").preset == "throughput"
+    assert Settings(preset="latency").with_default_preset("throughput").preset == "latency"
+    monkeypatch.setenv("BUNDLE_PRESET", "")
+    assert Settings().with_default_preset("throughput").preset is None
