@@ -27,7 +27,6 @@ from shared.errors import (
 )
 from shared.headers import HeaderGuard, bearer_token_matches, parse_last_event_id, parse_request_id
 from shared.lifecycle import ExitRequest, GuardedEngine, Lifecycle
-from shared.prompt_limits import check_prompt_size
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.service import Service, Subscription
 from shared.settings import Settings
@@ -110,14 +109,12 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
     async def chat_completions(request: Request) -> Response:
         _check_admission(request)
         body = parse_request(ChatCompletionRequest, await _read_json(request, settings))
-        check_prompt_size(body, settings)
         return await _respond(request, "chat", body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         _check_admission(request)
         body = parse_request(CompletionRequest, await _read_json(request, settings))
-        check_prompt_size(body, settings)
         return await _respond(request, "completion", body)
 
     @app.post("/v1/requests/{request_id}/cancel")

@@ -92,12 +92,6 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Time a connection has to deliver a request's headers; then 408."
     )
     keep_alive_s: int = Field(30, ge=1, description="Idle keep-alive connections close after this.")
-    prompt_chars_per_token: int = Field(
-        32,
-        ge=1,
-        description="A prompt longer than max_prompt_tokens times this (in characters) is refused "
-        "before tokenising, so no request can hold the event loop with a huge prompt.",
-    )
     shutdown_grace_s: float = Field(
         10.0,
         ge=0,
