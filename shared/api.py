@@ -78,6 +78,7 @@ async def _serving(
 ) -> AsyncIterator[None]:
     """The service on this engine for the app's lifetime, with the engine-death watchdog."""
     service = Service(settings, GuardedEngine(engine, lifecycle))
+    _export_held_requests(service)
     app.state.service = service
     watchdog = asyncio.create_task(lifecycle.watch(service))
     try:
@@ -86,6 +87,15 @@ async def _serving(
         watchdog.cancel()
         lifecycle.close()
         await service.aclose()
+
+
+def _export_held_requests(service: Service) -> None:
+    """Requests held for dedup/replay, read at scrape time: what a leak check (bench/soak.py)
+    needs from outside besides the running gauges."""
+    from prometheus_client import Gauge
+
+    held = Gauge("bundle_held_requests", "Requests held by X-Request-Id.", registry=service.metrics.registry)
+    held.set_function(lambda: float(service.stats()["held_requests"]))
 
 
 # --- routes -------------------------------------------------------------------------------------
