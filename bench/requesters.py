@@ -6,6 +6,7 @@ reads only the final usage chunk), so the numbers measure the server, not the cl
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -26,10 +27,14 @@ def load_client(
 
 
 # --- over HTTP ----------------------------------------------------------------------------------
-def http_requester(client: httpx.AsyncClient, workload: Workload, api_key: str | None = None) -> Requester:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def http_requester(
+    client: httpx.AsyncClient, workload: Workload, api_key: str | None = None, *, request_ids: bool = False
+) -> Requester:
+    """`request_ids`: each request gets its own X-Request-Id (bench/redis_overhead.py)."""
+    shared_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def one(prompt: list[int]) -> Sample:
+        headers = {**shared_headers, "X-Request-Id": uuid.uuid4().hex} if request_ids else shared_headers
         body = {
             "model": workload.model,
             "prompt": prompt,

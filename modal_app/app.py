@@ -10,38 +10,46 @@ deploys many configurations:
 
     BUNDLE_MODEL=Qwen/Qwen2.5-7B-Instruct BUNDLE_MODAL_GPU=L40S modal deploy modal_app/app.py
 
-Where the engine starts, and why not in `@modal.enter()`
---------------------------------------------------------
+Where the engine starts: snapshots and the event loop
+-----------------------------------------------------
 vLLM's `AsyncLLM` belongs to the event loop it starts on: its output handler is a task on that
 loop and its engine-core sockets are asyncio sockets bound to it. So the engine must start on
 the loop that later serves the HTTP requests. What the two ways of running this class do
 (modal 1.6.4, read from its source):
 
 - In a Modal container (`_container_entrypoint.py`, `_runtime/user_code_imports.py`) one
-  `UserCodeEventLoop` runs everything in order: enter hooks (an async hook is run to completion
-  on it), the `@modal.asgi_app()` method, the ASGI lifespan startup, then every request, then the
-  lifespan shutdown, then exit hooks, then the volume commit. An async enter hook would work.
+  `UserCodeEventLoop` runs everything in order: the `snap=True` enter hooks, the memory snapshot,
+  (after a restore, from here on) the `snap=False` enter hooks, the `@modal.asgi_app()` method,
+  the ASGI lifespan startup, every request, the lifespan shutdown, the exit hooks, the volume
+  commit. A hook may be sync or async: Modal calls it, and if the call returns a coroutine it
+  runs that coroutine to completion on this same loop.
 - `.local()` on the sync `web` method (`_functions.py`, `Function.local` -> `Obj._enter`) calls
-  each enter hook as a plain function: an async hook's coroutine is created and never awaited,
-  so the engine would silently never start. And whatever serves the returned app locally
-  (uvicorn in the tests) runs its own loop, which no enter hook can know.
+  every enter hook as a plain function and drops what it returns: an async hook's coroutine
+  would never run. And whatever serves the returned app locally (uvicorn in the tests) runs its
+  own loop, which no enter hook can know.
 
-The one design correct in both places: the enter hook only builds the app (sync, no engine), and
-the core app's own lifespan opens the engine (`create_app(settings)` without `engine=`). The
-lifespan runs on whichever loop serves requests: Modal's loop in a container, uvicorn's locally.
-The exit hook runs after the lifespan has closed the engine (Modal's order, above), so it has
-no engine left to stop; Modal commits the volumes itself after it.
+So, with snapshots on (`BUNDLE_MODAL_SNAPSHOT`, the default), the hooks are plain functions that
+return their coroutine only inside a container (`in_container`): there Modal runs it on the
+serving loop, before the snapshot (start the engine, warm it up, put it to sleep) and after each
+restore (wake it; a failed wake raises, and Modal ends the container so that it is replaced).
+The app's lifespan then takes that engine (`EngineLifecycle.engine_factory`). Under `.local()`
+the hooks do nothing and the same lifespan starts an engine itself, on uvicorn's loop. With
+snapshots off there are no hooks at all and the lifespan always starts the engine. Either way
+the asleep engine is woken before the first request: the restore hook finishes before Modal
+routes any input to the container.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import modal
 
 from modal_app.settings import ModalSettings
+from shared.lifecycle import EngineLifecycle  # light: vLLM is imported only when an engine starts
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -110,13 +118,36 @@ CONTAINER_ENV: dict[str, str | None] = {
 
 
 def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Secret]:
-    """The API key travels as a Modal Secret: a named one (holding BUNDLE_API_KEY, and HF_TOKEN
-    for gated models), or, if only BUNDLE_API_KEY is set locally, one made from it at deploy."""
+    """The API key (and the Redis URL, which may hold a password) travel as a Modal Secret: a
+    named one (holding BUNDLE_API_KEY, BUNDLE_REDIS_URL, and HF_TOKEN for gated models), or,
+    if they are only set locally, one made from them at deploy."""
     if modal_settings.secret_name:
         return [modal.Secret.from_name(modal_settings.secret_name)]
-    if settings.api_key is not None:
-        return [modal.Secret.from_dict({"BUNDLE_API_KEY": settings.api_key.get_secret_value()})]
-    return []
+    secret = {
+        name: value.get_secret_value()
+        for name, value in (("BUNDLE_API_KEY", settings.api_key), ("BUNDLE_REDIS_URL", settings.redis_url))
+        if value is not None
+    }
+    return [modal.Secret.from_dict(secret)] if secret else []
+
+
+# --- Cold starts: GPU memory snapshots ----------------------------------------------------------
+# With snapshots, a new container is restored from memory with the engine already started,
+# compiled, warmed up and asleep (weights in host memory, GPU nearly empty): it only wakes it.
+# Modal takes snapshots only of deployed apps, after a few ordinary cold boots.
+SNAPSHOT_OPTIONS: dict[str, Any] = (
+    {"enable_memory_snapshot": True, "experimental_options": {"enable_gpu_snapshot": True}}
+    if MODAL.snapshot
+    else {}
+)
+
+Work = Coroutine[Any, Any, Any]
+
+
+def in_container(work: Callable[[], Work]) -> Work | None:
+    """The coroutine for Modal to run on the container's serving loop, or None under `.local()`,
+    where nothing would run it (see the module docstring)."""
+    return None if modal.is_local() else work()
 
 
 app = modal.App(MODAL.app_name)
@@ -137,26 +168,40 @@ app = modal.App(MODAL.app_name)
     startup_timeout=MODAL.startup_timeout_s,
     min_containers=MODAL.min_containers,
     max_containers=MODAL.max_containers,
+    **SNAPSHOT_OPTIONS,
 )
 @modal.concurrent(max_inputs=MAX_INPUTS, target_inputs=TARGET_INPUTS)
 class Server:
-    @modal.enter()
-    def build(self) -> None:
-        # Sync on purpose (see the module docstring): the engine starts in the app's lifespan,
-        # on the loop that serves requests. Imported here so deploying needs no FastAPI.
-        from shared.api import create_app
+    lifecycle: EngineLifecycle | None = None  # set by the snapshot hooks
 
-        self.api = create_app(SETTINGS)
+    if MODAL.snapshot:
+
+        @modal.enter(snap=True)
+        def prepare_snapshot(self) -> Work | None:
+            self.lifecycle = EngineLifecycle(SETTINGS)
+            return in_container(self.lifecycle.prepare_for_snapshot)
+
+        @modal.enter(snap=False)
+        def wake_after_restore(self) -> Work | None:
+            assert self.lifecycle is not None, "Modal runs the snap=True hooks first"
+            return in_container(self.lifecycle.wake)
 
     @modal.asgi_app(requires_proxy_auth=MODAL.requires_proxy_auth)
     def web(self) -> FastAPI:
-        return self.api
+        from shared.api import create_app
+
+        if self.lifecycle is None:  # no snapshot hooks: the lifespan starts the engine
+            return create_app(SETTINGS)
+        return create_app(SETTINGS, engine_factory=self.lifecycle.engine_factory)
 
     @modal.exit()
-    def stop(self) -> None:
-        # Modal ran the lifespan shutdown before this hook: in-flight generations are aborted
-        # and the engine (with its child process) is closed. Nothing is left to release.
-        log.info("container stopping; the engine was closed by the app's lifespan")
+    def stop(self) -> Work | None:
+        # Modal ran the lifespan shutdown before this hook: in-flight generations are aborted.
+        # An engine the snapshot hook started is closed here, on the same loop.
+        log.info("container stopping")
+        if self.lifecycle is None or self.lifecycle.engine is None:
+            return None
+        return in_container(self.lifecycle.stop)
 
 
 # --- Smoke test: `modal run modal_app/app.py` -------------------------------------------------

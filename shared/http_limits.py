@@ -10,7 +10,7 @@ What is bounded where:
   (ASGI, so it also holds where another server runs the app, such as Modal's).
 - idle keep-alive connections: uvicorn's `timeout_keep_alive`.
 - the body: `shared.api` reads it with `max_body_bytes` (413).
-- the drain after SIGTERM: `shared.lifecycle` (grace) and uvicorn's `timeout_graceful_shutdown`.
+- the drain after SIGTERM: `shared.server_state` (grace) and uvicorn's `timeout_graceful_shutdown`.
 
 Without httptools (the deploy images install plain uvicorn, which then uses h11), h11's own
 `max_incomplete_event_size` bounds the head size; the head timeout needs httptools.

@@ -1,140 +1,152 @@
-"""The server's life after start-up: serving, draining after SIGTERM, or dead with its engine.
+"""The engine's life in a serverless container: start, warm up, sleep, wake, stop.
 
-- Engine death: admission answers 503 at once (never a 200 that then carries an error), the
-  engine gauges read 0, and once the in-flight streams have received their error events the
-  process is asked to exit with `ENGINE_DEAD_EXIT_CODE`, so a supervisor (Modal, Cog, systemd,
-  Kubernetes) replaces it instead of keeping a process that can only refuse.
-- Shutdown: after SIGTERM the running streams get `shutdown_grace_s` to finish, then end with a
-  `ShuttingDown` error event ("retry with the same X-Request-Id"), distinct from engine death.
-  When the whole process group is signalled, vLLM's engine core stops at the same moment; the
-  engine's failure then is part of the shutdown, and clients are told so, not that it "died".
+A platform that snapshots memory (Modal's GPU snapshots) wants the engine started, warmed up and
+asleep before the snapshot, and awake again after each restore. These are the functions its
+hooks call; `bench/startup.py` and `bench/sleepwake.py` call the very same ones on the GPU, so
+what is measured is what is deployed.
+
+All of it must run on the event loop that later serves requests: vLLM's `AsyncLLM` belongs to
+the loop it started on. `engine_factory` hands the engine started here to the API's lifespan,
+or, when nothing was started here (the platform ran no hooks), opens one on the serving loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 
-from shared.engine import Engine, EngineDelta, SamplingRequest
-from shared.errors import SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
-
-if TYPE_CHECKING:
-    from shared.service import Service
+from shared.engine import Engine, SamplingRequest, open_engine
+from shared.errors import EngineUnavailable
+from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ENGINE_DEAD_EXIT_CODE = 69  # EX_UNAVAILABLE (sysexits.h): the service this process offers is gone
-WATCH_INTERVAL_S = 0.25  # how often the watchdog reads the engine's (lock-free) health flag
-# A SIGTERM sent to the whole group reaches the API process and the engine core together; the
-# engine's failure can surface first. This pause lets the API's own signal handler run before a
-# failing generation decides whether it is reporting a death or a shutdown.
-SIGNAL_SETTLE_S = 0.2
-# Upper bound on waiting for in-flight streams to receive their error events before exiting.
-ERROR_FLUSH_BOUND_S = 5.0
-# Then the server stays up this long answering 503, so health probes and load balancers see a
-# clear refusal (and route away) before the port closes and clients see connection errors.
-ENGINE_DEAD_LINGER_S = 2.0
+Opener = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 
-ExitRequest = Callable[[int], None]
+WARM_UP_SEED = 20261130  # fixed prompts: every container warms up the same kernels
 
 
-class Lifecycle:
-    SERVING, DRAINING, ENGINE_DEAD = "serving", "draining", "engine_dead"
+@dataclass(frozen=True)
+class WakeReport:
+    wake_up_s: float  # vLLM's wake_up(): weights back on the GPU, KV cache re-allocated
+    first_token_s: float  # then one 1-token request, the proof that the GPU computes again
 
-    def __init__(self, shutdown_grace_s: float, request_exit: ExitRequest | None = None) -> None:
-        self.state = self.SERVING
-        self.shutdown_grace_s = shutdown_grace_s
-        self.request_exit = request_exit  # None: nobody to tell (tests, Modal); just refuse
-        self._grace_timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def check_admission(self) -> None:
-        """Refuse a new generation unless serving: 503 before any byte of a 200 is sent."""
-        if self.state == self.DRAINING:
-            raise ShuttingDown(SHUTDOWN_MESSAGE)
-        if self.state == self.ENGINE_DEAD:
-            raise EngineUnavailable("the engine is not running; this server is exiting")
-
-    # --- shutdown -------------------------------------------------------------------------------
-    def begin_shutdown(self, service: Service) -> None:
-        """SIGTERM arrived: refuse new work; end what still runs when the grace is over."""
-        if self.state != self.SERVING:
-            return
-        self.state = self.DRAINING
-        log.info("draining: running streams get %.1f s before they are ended", self.shutdown_grace_s)
-        loop = asyncio.get_running_loop()
-        self._grace_timer = loop.call_later(self.shutdown_grace_s, self._end_running, service)
-
-    def _end_running(self, service: Service) -> None:
-        # The registry aborts with reason "shutdown", which readers see as ShuttingDown.
-        self._spawn(service.registry.shutdown())
-
-    # --- engine death -------------------------------------------------------------------------
-    async def watch(self, service: Service) -> None:
-        """Runs for the app's lifetime: notice a dead engine, then exit once streams are told."""
-        # Polled: vLLM flips its dead flag from a monitor thread and offers nothing to await.
-        while service.healthy() or self.state == self.DRAINING:  # noqa: ASYNC110
-            await asyncio.sleep(WATCH_INTERVAL_S)
-        await asyncio.sleep(SIGNAL_SETTLE_S)
-        if self.state == self.DRAINING:
-            return  # the engine stopped with the rest of the group; the drain ends the process
-        self.state = self.ENGINE_DEAD
-        log.error("the engine died; refusing new requests and exiting once in-flight streams ended")
-        await _streams_ended(service, ERROR_FLUSH_BOUND_S)
-        await asyncio.sleep(ENGINE_DEAD_LINGER_S)
-        if self.request_exit is not None:
-            self.request_exit(ENGINE_DEAD_EXIT_CODE)
-
-    def close(self) -> None:
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-        for task in self._tasks:
-            task.cancel()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    @property
+    def total_s(self) -> float:
+        return self.wake_up_s + self.first_token_s
 
 
-async def _streams_ended(service: Service, bound_s: float) -> None:
-    """Wait (bounded) until no generation runs and no client is still reading a stream."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while loop.time() < deadline:
-        running = service.stats()["running_generations"]
-        readers = service.metrics.active_streams._value.get()
-        if running == 0 and readers == 0:
-            return
-        await asyncio.sleep(0.05)
+class EngineLifecycle:
+    """One engine through start, warm-up, sleep and wake, owned until `stop`."""
 
+    def __init__(self, settings: Settings, opener: Opener = open_engine) -> None:
+        # Sleep mode must be chosen when the engine starts; vLLM ignores it where unsupported.
+        self.settings = settings.model_copy(update={"sleep_mode": True})
+        self.engine: Engine | None = None
+        self._opener = opener
+        self._stack = AsyncExitStack()
 
-class GuardedEngine:
-    """The engine as the service sees it: a failure while the server drains is reported as the
-    shutdown it is, and a dead engine counts no running requests (its own count is frozen)."""
+    async def start(self) -> Engine:
+        if self.engine is None:
+            self.engine = await self._stack.enter_async_context(self._opener(self.settings))
+        return self.engine
 
-    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
-        self._engine = engine
-        self._lifecycle = lifecycle
+    async def prepare_for_snapshot(self) -> None:
+        """Start, warm up, sleep: what runs once before a memory snapshot is taken."""
+        engine = await self.start()
+        await warm_up(engine, self.settings)
+        await self.sleep()
 
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (info, tokenize, render_chat, whatever the engine grows) passes through.
-        return getattr(self._engine, name)
+    async def sleep(self) -> float:
+        started = time.perf_counter()
+        await self._engine().sleep()
+        return time.perf_counter() - started
 
-    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+    async def wake(self) -> WakeReport:
+        """Wake the engine and prove it computes. Raises `EngineUnavailable` if it cannot: the
+        caller (a restore hook) must let that end the container, so that the platform replaces
+        it, rather than keep a container that answers 503 forever."""
+        engine = self._engine()
+        started = time.perf_counter()
         try:
-            async for delta in self._engine.generate(request_id, request):
-                yield delta
-        except EngineUnavailable as exc:
-            await asyncio.sleep(SIGNAL_SETTLE_S)
-            if self._lifecycle.state == Lifecycle.DRAINING:
-                raise ShuttingDown(SHUTDOWN_MESSAGE) from exc
-            raise
+            await engine.wake_up()
+            woke = time.perf_counter()
+            await first_token(engine)
+        except Exception as exc:
+            log.error("wake-up failed after %.2f s: %s", time.perf_counter() - started, exc)
+            raise EngineUnavailable(f"the engine did not wake up: {type(exc).__name__}: {exc}") from exc
+        report = WakeReport(wake_up_s=woke - started, first_token_s=time.perf_counter() - woke)
+        if report.total_s > self.settings.wake_slow_s:
+            log.warning(
+                "slow wake-up: %.2f s (bound %.1f s): wake_up %.2f s, first token %.2f s",
+                report.total_s,
+                self.settings.wake_slow_s,
+                report.wake_up_s,
+                report.first_token_s,
+            )
+        else:
+            log.info("awake in %.2f s (first token %.3f s)", report.total_s, report.first_token_s)
+        return report
 
-    def healthy(self) -> bool:
-        return self._engine.healthy()
+    async def stop(self) -> None:
+        self.engine = None
+        await self._stack.aclose()
 
-    def running_requests(self) -> int:
-        return self._engine.running_requests() if self._engine.healthy() else 0
+    @asynccontextmanager
+    async def engine_factory(self, settings: Settings) -> AsyncIterator[Engine]:
+        """For `create_app(engine_factory=...)`: the engine started here if there is one (its
+        lifetime stays with `stop`), else a fresh one for the app's lifespan alone."""
+        if self.engine is not None:
+            yield self.engine
+            return
+        async with self._opener(settings) as engine:
+            yield engine
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise EngineUnavailable("the engine was never started")
+        return self.engine
+
+
+async def warm_up(engine: Engine, settings: Settings) -> None:
+    """A few requests that touch what the first users would otherwise pay for: a short one, a
+    long prefill, and one full-batch wave of `max_num_seqs` streams."""
+    started = time.perf_counter()
+    prompts = PromptMaker(engine.info.vocab_size or 256, WARM_UP_SEED)
+    context = engine.info.max_model_len
+    await _complete(engine, prompts.ids(16), max_tokens=16)
+    await _complete(engine, prompts.ids(max(1, min(context // 2, 2048))), max_tokens=1)
+    wave = [_complete(engine, prompts.ids(16), max_tokens=8) for _ in range(settings.max_num_seqs)]
+    await asyncio.gather(*wave)
+    log.info("warm-up done in %.2f s (%d-stream wave)", time.perf_counter() - started, len(wave))
+
+
+async def first_token(engine: Engine) -> float:
+    """Seconds until a 1-token request completes."""
+    started = time.perf_counter()
+    await _complete(engine, PromptMaker(engine.info.vocab_size or 256, 1).ids(8), max_tokens=1)
+    return time.perf_counter() - started
+
+
+class PromptMaker:
+    """Distinct random token-id prompts: prefix caching must not turn warm-up or a measurement
+    into cache hits."""
+
+    def __init__(self, vocab_size: int, seed: int) -> None:
+        self._random = random.Random(seed)
+        self._top = max(vocab_size - 1, 2)
+
+    def ids(self, length: int) -> list[int]:
+        return [self._random.randrange(1, self._top) for _ in range(length)]
+
+
+async def _complete(engine: Engine, prompt: list[int], max_tokens: int) -> None:
+    request = SamplingRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async for _ in engine.generate(f"lifecycle-{uuid.uuid4().hex}", request):
+        pass

@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Buckets cover a CPU test box (tens of ms) up to a cold, queued GPU (tens of seconds).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# A shared store on the same network answers in well under a millisecond; seconds mean trouble.
+_STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
 
 
 class Metrics:
@@ -61,6 +63,26 @@ class Metrics:
             "bundle_rejected_requests",
             "Requests refused before the engine.",
             ["status"],
+            registry=r,
+        )
+        self._add_store_metrics(r)
+
+    def _add_store_metrics(self, r: CollectorRegistry) -> None:
+        """The shared identity store (BUNDLE_REDIS_URL); all zero when it is not configured."""
+        self.store_round_trips = Counter(
+            "bundle_store_round_trips", "Round trips to the identity store.", ["op"], registry=r
+        )
+        self.store_commands = Counter(
+            "bundle_store_commands", "Commands sent to the identity store.", ["op"], registry=r
+        )
+        self.store_errors = Counter(
+            "bundle_store_errors", "Identity store round trips that failed.", ["op"], registry=r
+        )
+        self.store_latency = Histogram(
+            "bundle_store_latency_seconds",
+            "Identity store round trip time (a follower's blocking read includes its wait).",
+            ["op"],
+            buckets=_STORE_BUCKETS,
             registry=r,
         )
 

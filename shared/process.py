@@ -16,13 +16,16 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from shared.http_limits import uvicorn_options
+from shared.server_state import ExitRequest
 from shared.settings import Settings
 
 
-def run_server(settings: Settings) -> int:
-    """Serve the API until a signal or engine death; return the exit code the process should use."""
+def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | None = None) -> int:
+    """Serve the API until a signal or engine death; return the exit code the process should use.
+    `make_app(request_exit)` builds the app (default: `create_app(settings, request_exit=...)`)."""
     from shared.api import create_app
 
     exit_code = 0
@@ -37,7 +40,7 @@ def run_server(settings: Settings) -> int:
         if service is not None:  # None: still starting, nothing to drain
             app.state.lifecycle.begin_shutdown(service)
 
-    app = create_app(settings, request_exit=request_exit)
+    app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, **uvicorn_options(settings)
     )

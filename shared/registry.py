@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,10 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
+        # With a shared store (shared/replicas.py): seconds that readers on other replicas still
+        # hold a generation whose grace window ran out here; 0 means none, abort.
+        self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
+        self._rechecks: set[asyncio.Task[None]] = set()
 
     # --- lookup -----------------------------------------------------------------------------
     def find(self, request_id: str, fingerprint: str) -> Entry | None:
@@ -159,10 +163,28 @@ class Registry:
         if entry.request_id is None:
             self.abort(entry, "disconnect")  # nobody can ever come back for it
         else:
-            loop = asyncio.get_running_loop()
-            entry.grace_timer = loop.call_later(
-                self._settings.disconnect_grace_s, self.abort, entry, "grace_expired"
-            )
+            self._arm_grace(entry, self._settings.disconnect_grace_s)
+
+    def _arm_grace(self, entry: Entry, delay_s: float) -> None:
+        entry.grace_timer = asyncio.get_running_loop().call_later(delay_s, self._grace_over, entry)
+
+    def _grace_over(self, entry: Entry) -> None:
+        entry.grace_timer = None
+        if self.followers_elsewhere is None:
+            self.abort(entry, "grace_expired")
+            return
+        task = asyncio.get_running_loop().create_task(self._recheck_grace(entry, self.followers_elsewhere))
+        self._rechecks.add(task)
+        task.add_done_callback(self._rechecks.discard)
+
+    async def _recheck_grace(self, entry: Entry, elsewhere: Callable[[Entry], Awaitable[float]]) -> None:
+        more_s = await elsewhere(entry)
+        if entry.subscribers or entry.output.done or entry.grace_timer is not None:
+            return  # a reader came back here meanwhile
+        if more_s > 0:
+            self._arm_grace(entry, more_s)
+        else:
+            self.abort(entry, "grace_expired")
 
     def abort(self, entry: Entry, reason: str) -> None:
         if entry.output.done or entry.task is None:
@@ -176,11 +198,11 @@ class Registry:
         if entry is None:
             raise NotFound(f"no request with id {request_id!r} is held", param="request_id")
         if entry.output.done:
-            return CancelOutcome(request_id, _final_status(entry))
+            return CancelOutcome(request_id, final_status(entry))
         self.abort(entry, "cancelled")
         if entry.task is not None:
             await asyncio.wait({entry.task}, timeout=wait_s)
-        status = _final_status(entry) if entry.output.done else "cancelling"
+        status = final_status(entry) if entry.output.done else "cancelling"
         return CancelOutcome(request_id, status)
 
     async def shutdown(self) -> None:
@@ -218,7 +240,7 @@ class Registry:
         }
 
 
-def _final_status(entry: Entry) -> str:
+def final_status(entry: Entry) -> str:
     error = entry.output.error
     if error is None:
         return "completed"

@@ -13,11 +13,20 @@ import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import orjson
 
 from shared.engine import Engine, SamplingRequest
-from shared.errors import BundleError, Cancelled, EventsGone, GenerationFailed, InvalidRequest, ModelNotFound
+from shared.errors import (
+    BundleError,
+    Cancelled,
+    EventsGone,
+    GenerationFailed,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+)
 from shared.generation import GenerationOutput, produce
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
@@ -26,6 +35,9 @@ from shared.replay import ReplayBuffer
 from shared.settings import Settings
 from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
+
+if TYPE_CHECKING:
+    from shared.replicas import Opened, Replicas
 
 __all__ = ["CancelOutcome", "Service", "Subscription"]
 
@@ -46,6 +58,7 @@ class Service:
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(engine.running_requests)
         self.registry = Registry(settings, self.metrics)
+        self.replicas = _shared_identity(settings, self.registry, self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
         if settings.engine_stats_file is not None:
@@ -57,6 +70,8 @@ class Service:
     async def aclose(self) -> None:
         """Abort what is still running and stop background work."""
         await self.registry.shutdown()
+        if self.replicas is not None:
+            await self.replicas.aclose()
         if self._stats_task is not None:
             self._stats_task.cancel()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -85,12 +100,43 @@ class Service:
             entry.output.events.check_resumable(after)
         return self.registry.subscribe(entry, after)
 
+    async def open_shared(
+        self,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None = None,
+        last_event_id: int | None = None,
+    ) -> Subscription | Opened:
+        """`open` across replicas: with a shared store (BUNDLE_REDIS_URL), a request with an id
+        that another replica claimed follows that replica's generation (shared/replicas.py).
+        Without a store, or without an id, it is `open`."""
+        if self.replicas is None or request_id is None:
+            return self.open(kind, body, request_id, last_event_id)
+        self._check_model(body.model)
+        return await self.replicas.open(
+            request_id,
+            _fingerprint(kind, body),
+            body.stream,
+            last_event_id,
+            here=lambda: self.open(kind, body, request_id, last_event_id),
+        )
+
     async def cancel(self, request_id: str) -> CancelOutcome:
         """Abort the generation this id names; attached streams end with an error event."""
-        return await self.registry.cancel(request_id, wait_s=CANCEL_WAIT_S)
+        try:
+            return await self.registry.cancel(request_id, wait_s=CANCEL_WAIT_S)
+        except NotFound:
+            if self.replicas is None:
+                raise
+            return await self.replicas.cancel(request_id, CANCEL_WAIT_S)  # owned by another replica
 
     def healthy(self) -> bool:
+        """The engine is alive (false once it died: the process should be replaced)."""
         return self.engine.healthy()
+
+    def ready(self) -> bool:
+        """Alive and awake: what a load balancer's health check should see (503 while asleep)."""
+        return self.engine.ready()
 
     def stats(self) -> dict[str, int]:
         """Held requests, running generations, held events and readers (for leak checks)."""
@@ -143,6 +189,8 @@ class Service:
 
         entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
         self.registry.start(entry, producer)
+        if self.replicas is not None and request_id is not None:
+            self.replicas.own(entry)
         return entry
 
     async def _prepare_and_produce(
@@ -257,6 +305,18 @@ class Service:
             frequency_penalty=body.frequency_penalty,
             ignore_eos=body.ignore_eos,
         )
+
+
+def _shared_identity(settings: Settings, registry: Registry, metrics: Metrics) -> Replicas | None:
+    if settings.redis_url is None:
+        log.info(
+            "request identity: this process only (BUNDLE_REDIS_URL is not set); a retry or resume "
+            "that reaches another replica is not matched"
+        )
+        return None
+    from shared.replicas import Replicas  # redis is imported only when a store is configured
+
+    return Replicas(settings, registry, metrics)
 
 
 def _fingerprint(kind: Kind, body: OpenAIRequest) -> str:

@@ -66,8 +66,32 @@ class Settings(BaseSettings):
         None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.'
     )
     load_format: str = Field("auto", description="'dummy' fills random weights (benchmarks).")
+    cuda_graph_max_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Largest batch captured as a CUDA graph. Unset: max_num_seqs, the widest "
+        "decode batch this server runs (vLLM's own default captures up to twice that, to 512). "
+        "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
+    )
     trust_remote_code: bool = False
     engine_seed: int = 0
+
+    # --- sleep mode (GPU memory snapshots) ---------------------------------------------------
+    sleep_mode: bool = Field(
+        False,
+        description="Start vLLM with sleep mode (CUDA only; ignored on the CPU build) so the "
+        "engine can sleep before a memory snapshot and wake after restore. The Modal snapshot "
+        "path turns it on.",
+    )
+    wake_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a request that arrives while the engine sleeps waits for "
+        "the wake-up before it fails with 503.",
+    )
+    wake_slow_s: float = Field(
+        5.0, gt=0, description="A wake-up slower than this is logged as a warning with its phases."
+    )
 
     # --- API -------------------------------------------------------------------------------
     api_key: SecretStr | None = None
@@ -109,6 +133,11 @@ class Settings(BaseSettings):
         16384, ge=16, description="Replay buffer per generation; older events are dropped."
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
+    redis_url: SecretStr | None = Field(
+        None,
+        description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
+        "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
+    )
 
     engine_stats_file: Path | None = Field(
         None, description="If set, the engine's running-request count is written here (JSON)."
@@ -135,6 +164,11 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.strip():
             return json.loads(value)
         return value or None
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
     @property
     def model_name(self) -> str:

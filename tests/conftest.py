@@ -22,6 +22,7 @@ from shared.api import create_app
 from shared.engine import Engine, open_engine
 from shared.service import Service
 from shared.settings import Settings
+from tests.redis_server import redis_server  # noqa: F401  (fixture: a real Redis-protocol server)
 
 T = TypeVar("T")
 

@@ -46,6 +46,15 @@ class DyingEngine:
     def running_requests(self) -> int:
         return self.running
 
+    def ready(self) -> bool:
+        return not self.dead  # never sleeps
+
+    async def sleep(self) -> None:
+        pass
+
+    async def wake_up(self) -> None:
+        pass
+
 
 @asynccontextmanager
 async def dying_engine(settings: Settings) -> AsyncIterator[DyingEngine]:

@@ -57,6 +57,15 @@ class ScriptedEngine:
     def healthy(self) -> bool:
         return True
 
+    def ready(self) -> bool:
+        return True
+
+    async def sleep(self) -> None:
+        return None
+
+    async def wake_up(self) -> None:
+        return None
+
     def running_requests(self) -> int:
         return len(self.running)
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from shared.api import create_app
-from shared.lifecycle import ENGINE_DEAD_EXIT_CODE
+from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.conftest import long_chat
 from tests.fakes import dying_engine

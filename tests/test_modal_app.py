@@ -17,9 +17,11 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+import modal
 import openai
 import pytest
 import uvicorn
+from modal._partial_function import _find_partial_methods_for_user_cls, _PartialFunctionFlags
 
 from modal_app.settings import ModalSettings
 from shared.settings import Settings
@@ -215,3 +217,62 @@ def test_the_local_entrypoint_smoke_runs_against_the_app(served: LocalServer) ->
     assert 0 < result.time_to_first_token_s < result.total_s
     assert result.tokens_per_s > 0
     assert "tokens/s" in result.summary()
+
+
+# --- GPU memory snapshots: hooks and options follow BUNDLE_MODAL_SNAPSHOT --------------------------
+def load_recording_cls_options(monkeypatch: pytest.MonkeyPatch, **env: str) -> tuple[ModuleType, dict]:
+    """Import the app and keep the keyword arguments it passed to `app.cls` (Modal keeps the
+    snapshot options only inside the function definition it builds at deploy time)."""
+    passed: dict = {}
+    original = modal.App.cls
+
+    def recording(self: modal.App, *args: object, **kwargs: object) -> object:
+        passed.update(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modal.App, "cls", recording)
+    return load_modal_app(monkeypatch, **env), passed
+
+
+def enter_hooks(module: ModuleType) -> dict[str, set[str]]:
+    user_cls = module.Server._get_user_cls()
+    return {
+        name: set(_find_partial_methods_for_user_cls(user_cls, flag))
+        for name, flag in (
+            ("pre", _PartialFunctionFlags.ENTER_PRE_SNAPSHOT),
+            ("post", _PartialFunctionFlags.ENTER_POST_SNAPSHOT),
+        )
+    }
+
+
+def test_snapshot_on_adds_the_options_and_both_enter_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, passed = load_recording_cls_options(monkeypatch, BUNDLE_MODAL_SNAPSHOT="true")
+    assert passed["enable_memory_snapshot"] is True
+    assert passed["experimental_options"] == {"enable_gpu_snapshot": True}
+    assert enter_hooks(module) == {"pre": {"prepare_snapshot"}, "post": {"wake_after_restore"}}
+    # The caches stay on Volumes either way: a snapshot holds memory, not the volumes' files.
+    assert set(module.Server._get_class_service_function().info().volumes) == {
+        module.HF_CACHE_DIR,
+        module.VLLM_CACHE_DIR,
+    }
+
+
+def test_snapshot_off_has_neither(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, passed = load_recording_cls_options(monkeypatch, BUNDLE_MODAL_SNAPSHOT="false")
+    assert "enable_memory_snapshot" not in passed and "experimental_options" not in passed
+    assert enter_hooks(module) == {"pre": set(), "post": set()}
+
+
+def test_snapshot_hooks_hand_modal_a_coroutine_only_in_a_container(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_modal_app(monkeypatch, BUNDLE_MODAL_SNAPSHOT="true", BUNDLE_MODEL="tiny")
+    server = module.Server._get_user_cls()()
+    # Locally (.local(), tests) nothing would run a coroutine: the hooks return none.
+    assert modal.is_local()
+    assert server.prepare_snapshot() is None
+    assert server.wake_after_restore() is None
+    assert server.lifecycle is not None and server.lifecycle.engine is None
+    # In a container Modal runs what they return on its one loop; nothing is started here.
+    monkeypatch.setattr(module.modal, "is_local", lambda: False)
+    work = server.prepare_snapshot()
+    assert asyncio.iscoroutine(work)
+    work.close()

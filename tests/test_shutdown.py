@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from shared.api import create_app
-from shared.lifecycle import ENGINE_DEAD_EXIT_CODE
+from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, free_port, long_chat
 from tests.real_server import bundle_server, data_events

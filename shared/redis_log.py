@@ -1,0 +1,244 @@
+"""Events of a generation in the shared store: written by its owner, followed from any replica.
+
+- `StreamWriter` batches the appends of every stream this replica owns: all events queued while
+  one pipeline is in flight go out in the next, so hundreds of streams cost one round trip per
+  flush, not one per token.
+- `SharedLog` is the owner's `EventLog`: its own readers keep following the in-memory buffer;
+  each event is also queued for the shared stream with its sequence number.
+- `RemoteSubscription` is a reader on another replica (or on the owner after it let the result go
+  from memory): it re-frames the stored data with `sse_event`, so its bytes equal the owner's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, StoreUnavailable
+from shared.metrics import Metrics
+from shared.replay import ReplayBuffer
+from shared.store import (
+    CHECK_EVERY_S,
+    PRODUCER_LOST_BOUND_S,
+    RUNNING,
+    Claim,
+    IdentityStore,
+    claim_key,
+    events_key,
+)
+from shared.streaming import DONE_DATA, error_frames, sse_event
+
+log = logging.getLogger(__name__)
+
+Events = list[tuple[str, int, bytes]]  # (request id, sequence, data)
+Finals = list[tuple[str, "Claim", bytes | None]]  # (request id, final claim, non-streaming answer)
+DATA = b"d"  # field of one streamed event's data
+BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
+
+
+class StreamWriter:
+    def __init__(self, store: IdentityStore, max_events: int, retention_s: float, running_ttl_s: float) -> None:
+        self._store = store
+        self._max_events = max_events
+        self._retention_ms = max(int(retention_s * 1000), 1)
+        # A stream whose owner dies is never finished: it still expires, after the longest
+        # generation plus the retention window.
+        self._running_ttl_ms = max(int(running_ttl_s * 1000), 1)
+        self._events: Events = []
+        self._finals: Finals = []
+        self._new_streams: set[str] = set()
+        self._flusher: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def append(self, request_id: str, sequence: int, data: bytes) -> None:
+        self._events.append((request_id, sequence, data))
+        self._kick()
+
+    def finish(self, request_id: str, claim: Claim, body: bytes | None) -> None:
+        """The end: the final claim state (and a non-streaming answer), after all its events."""
+        self._finals.append((request_id, claim, body))
+        self._kick()
+
+    async def drain(self) -> None:
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.wait({self._flusher})
+
+    def _kick(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let every producer woken in this loop turn queue its events
+        while self._events or self._finals:
+            events, self._events = self._events, []
+            finals, self._finals = self._finals, []
+            try:
+                await self._store.write(functools.partial(self._fill, events=events, finals=finals))
+            except StoreUnavailable:
+                # Counted in /metrics; logged once per outage. Followers see the gap in sequence
+                # numbers and say so; the owner's own readers are unaffected.
+                if not self._failing:
+                    log.warning("store unavailable: events of shared streams are being dropped")
+                self._failing = True
+            else:
+                self._failing = False
+
+    def _fill(self, pipe: Any, *, events: Events, finals: Finals) -> int:
+        commands = 0
+        for request_id, sequence, data in events:
+            key = events_key(request_id)
+            pipe.xadd(key, {DATA: data}, id=f"{sequence}-0", maxlen=self._max_events, approximate=True)
+            commands += 1
+            if request_id not in self._new_streams:
+                self._new_streams.add(request_id)
+                pipe.pexpire(key, self._running_ttl_ms)
+                commands += 1
+        for request_id, claim, body in finals:
+            key = events_key(request_id)
+            if body is not None:
+                pipe.xadd(key, {BODY: body}, id="1-0")
+            pipe.pexpire(key, self._retention_ms)
+            pipe.set(claim_key(request_id), claim.encode(), px=self._retention_ms)
+            self._new_streams.discard(request_id)
+            commands += 3 if body is not None else 2
+        return commands
+
+
+class SharedLog:
+    """`EventLog` of a generation this replica owns: memory first, the shared stream behind."""
+
+    def __init__(self, local: ReplayBuffer, writer: StreamWriter, request_id: str) -> None:
+        self._local = local
+        self._writer = writer
+        self._request_id = request_id
+
+    @property
+    def closed(self) -> bool:
+        return self._local.closed
+
+    def append(self, data: bytes) -> None:
+        sequence = self._local.next_sequence
+        self._local.append(data)
+        self._writer.append(self._request_id, sequence, data)
+
+    def close(self) -> None:
+        self._local.close()
+
+    def check_resumable(self, last_event_id: int) -> None:
+        self._local.check_resumable(last_event_id)
+
+    def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
+        return self._local.follow(last_event_id, coalesce_s)
+
+    def held_events(self) -> int:
+        return self._local.held_events()
+
+
+class RemoteSubscription:
+    """A reader of a generation owned elsewhere; the same surface as `Subscription` for the API."""
+
+    def __init__(
+        self, store: IdentityStore, request_id: str, claim: Claim, after: int, metrics: Metrics
+    ) -> None:
+        self._store = store
+        self._request_id = request_id
+        self._owner = claim.owner
+        self._stream = claim.stream
+        self._after = after
+        self._metrics = metrics
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def stream(self) -> bool:
+        return self._stream
+
+    async def admitted(self) -> None:
+        """Return once the owner accepted the request; raise the 4xx it answered otherwise. A
+        whole answer is the owner's verdict too, so `response` raises it instead."""
+        if not self._stream or self._after > 0:  # events exist only after an admission
+            return
+        async for entries in self._steps(0):
+            _, fields = entries[0]
+            if BODY in fields:
+                raise _stored_error(fields[BODY])
+            return
+
+    async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
+        """SSE bytes after the resume point until [DONE]; an error event if that cannot be."""
+        self._metrics.active_streams.inc()
+        cursor = self._after
+        try:
+            async for entries in self._steps(cursor):
+                frames = []
+                for sequence, fields in entries:
+                    if sequence != cursor + 1:
+                        yield error_frames(EventsGone(f"events after {cursor} are no longer held"))
+                        return
+                    cursor = sequence
+                    frames.append(sse_event(sequence, fields[DATA]))
+                    if fields[DATA] == DONE_DATA:
+                        yield b"".join(frames)
+                        return
+                yield b"".join(frames)
+        except BundleError as error:  # the owner died, or the store went away mid-stream
+            yield error_frames(error)
+        finally:
+            self._metrics.active_streams.dec()
+
+    async def response(self) -> dict[str, Any]:
+        """Wait for the owner's whole answer and return it as it returned it (or raise its error)."""
+        async for entries in self._steps(0):
+            for _, fields in entries:
+                if BODY in fields:
+                    answer = orjson.loads(fields[BODY])
+                    if answer["status"] != 200:
+                        raise StoredError(int(answer["status"]), answer["body"])
+                    return dict(answer["body"])
+        raise EventsGone("the stored answer is gone")  # unreachable: _steps raises or yields
+
+    async def _steps(self, after: int) -> AsyncIterator[list[tuple[int, dict[bytes, bytes]]]]:
+        """Batches of entries after `after`; raises ProducerLost or EventsGone rather than hang."""
+        checked = 0.0
+        idle = True  # check the owner on the first read
+        while True:
+            check = idle or time.monotonic() - checked >= CHECK_EVERY_S
+            step = await self._store.read(self._request_id, after, self._owner if check else None)
+            if check:
+                checked = time.monotonic()
+            if step.entries:
+                idle = False
+                after = step.entries[-1][0]
+                yield step.entries
+                continue
+            idle = True
+            if step.state is not None and step.state != RUNNING:
+                # Ended, and still nothing after `after`: the end was not stored (store outage).
+                raise EventsGone(f"events after {after} of this finished request are no longer held")
+            if step.owner_alive is False:
+                raise ProducerLost(
+                    f"the replica running X-Request-Id {self._request_id!r} stopped (no heartbeat "
+                    f"for {PRODUCER_LOST_BOUND_S:g} s); start again with a new X-Request-Id"
+                )
+
+    def text(self) -> AsyncIterator[str]:
+        raise NotImplementedError("plain-text following is for the Cog runner, which runs one replica")
+
+    def close(self) -> None:
+        """Nothing to release: presence elsewhere lapses by itself when reads stop."""
+
+    def abandon(self) -> None:
+        self.close()
+
+
+def _stored_error(raw: bytes) -> StoredError:
+    answer = orjson.loads(raw)
+    return StoredError(int(answer["status"]), answer["body"])

@@ -1,0 +1,243 @@
+"""The shared identity store against a real Redis-protocol server (tests/redis_server.py), no vLLM:
+atomic claims, batched stream writes, byte-identical following, gaps and dead owners; then two
+`Service`s ("replicas" in one process, each with a scripted engine) sharing one server: one
+generation per id, conflicts, cancel from the other replica, the grace window counting readers
+elsewhere, and a store outage. The real two-process, real-engine proof is tests/test_replicas.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from shared.errors import (
+    EventsGone,
+    IdempotencyConflict,
+    InvalidRequest,
+    ProducerLost,
+    StoredError,
+    StoreUnavailable,
+)
+from shared.metrics import Metrics
+from shared.protocol import ChatCompletionRequest, parse_request
+from shared.redis_log import RemoteSubscription, StreamWriter
+from shared.replay import ReplayBuffer
+from shared.service import Service
+from shared.settings import Settings
+from shared.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore
+from shared.streaming import DONE_DATA
+from tests.redis_server import RedisServer
+
+from .scripted import ScriptedEngine, settle
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def chat(**extra: Any) -> ChatCompletionRequest:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "a b"}], "stream": True, "max_tokens": 8}
+    return parse_request(ChatCompletionRequest, {**body, **extra})
+
+
+async def drain(events: AsyncIterator[bytes]) -> bytes:
+    return b"".join([chunk async for chunk in events])
+
+
+def trips(metrics: Metrics, op: str) -> float:
+    return metrics.store_round_trips.labels(op)._value.get()
+
+
+async def live_store(redis_server: RedisServer, name: str) -> IdentityStore:
+    store = IdentityStore(redis_server.url, name, Metrics())
+    store.start(on_cancel=lambda _: None)  # the heartbeat: followers see this owner alive
+    return store
+
+
+# --- the store alone ---------------------------------------------------------------------------------
+async def test_exactly_one_of_many_concurrent_claims_wins(redis_server: RedisServer) -> None:
+    stores = [IdentityStore(redis_server.url, f"r{i}", Metrics()) for i in range(3)]
+    attempts = [stores[i % 3].claim("claim-race", Claim("fp", f"r{i % 3}", True), 60) for i in range(30)]
+    results = await asyncio.gather(*attempts)
+    winners = [i for i, result in enumerate(results) if result is None]
+    assert len(winners) == 1
+    owner = f"r{winners[0] % 3}"
+    assert all(result == Claim("fp", owner, True) for result in results if result is not None)
+    for store in stores:
+        await store.aclose()
+
+
+async def test_many_streams_cost_few_round_trips_and_followers_get_the_owners_bytes(
+    redis_server: RedisServer,
+) -> None:
+    owner = await live_store(redis_server, "owner-batch")
+    writer = StreamWriter(owner, max_events=1000, retention_s=60, running_ttl_s=60)
+    streams, steps = 200, 10
+    local = {f"batch-{i}": ReplayBuffer(1000) for i in range(streams)}
+    for step in range(steps + 1):
+        for request_id, buffer in local.items():
+            data = DONE_DATA if step == steps else orjson.dumps({"token": step, "of": request_id})
+            writer.append(request_id, buffer.next_sequence, data)
+            buffer.append(data)
+        await asyncio.sleep(0)  # one loop turn per "engine step", as vLLM delivers outputs
+    for buffer in local.values():
+        buffer.close()
+    await writer.drain()
+    round_trips = trips(owner.metrics, "write")
+    assert round_trips <= 2 * (steps + 1)  # one pipeline per step at most, not one per event
+    assert owner.metrics.store_commands.labels("write")._value.get() >= streams * (steps + 1)
+
+    follower = IdentityStore(redis_server.url, "follower-batch", Metrics())
+    claim = Claim("fp", "owner-batch", True)
+    for request_id in ("batch-0", "batch-199"):
+        expected = await drain(local[request_id].follow(0))
+        remote = RemoteSubscription(follower, request_id, claim, 0, follower.metrics)
+        assert await drain(remote.events()) == expected
+        resumed = RemoteSubscription(follower, request_id, claim, 4, follower.metrics)
+        assert await drain(resumed.events()) == await drain(local[request_id].follow(4))
+    await follower.aclose()
+    await owner.aclose()
+
+
+async def test_a_follower_behind_the_trimmed_stream_gets_a_clear_error(redis_server: RedisServer) -> None:
+    owner = await live_store(redis_server, "owner-trim")
+    writer = StreamWriter(owner, max_events=16, retention_s=60, running_ttl_s=60)
+    for sequence in range(1, 201):
+        writer.append("trimmed", sequence, b"{}")
+        if sequence % 20 == 0:
+            await writer.drain()
+    await writer.drain()
+    view = await owner.view("trimmed", "owner-trim")
+    assert view.first is not None and view.first > 1 and view.last == 200
+    remote = RemoteSubscription(owner, "trimmed", Claim("fp", "owner-trim", True), 0, owner.metrics)
+    raw = await drain(remote.events())
+    assert b'"code":"events_gone"' in raw and raw.endswith(b"data: [DONE]\n\n") and b"id: " not in raw
+    await owner.aclose()
+
+
+async def test_a_follower_of_an_owner_without_heartbeat_hears_producer_lost(redis_server: RedisServer) -> None:
+    store = IdentityStore(redis_server.url, "reader", Metrics())
+    remote = RemoteSubscription(store, "orphan", Claim("fp", "never-beat", True), 0, store.metrics)
+    started = time.monotonic()
+    raw = await drain(remote.events())
+    assert b'"code":"producer_lost"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert time.monotonic() - started < PRODUCER_LOST_BOUND_S
+    await store.aclose()
+
+
+# --- two Services sharing the store -------------------------------------------------------------------
+def replica(redis_server: RedisServer, engine: ScriptedEngine, **overrides: Any) -> Service:
+    return Service(Settings(redis_url=redis_server.url, **overrides), engine)
+
+
+async def test_one_generation_per_id_across_replicas_with_identical_bytes(redis_server: RedisServer) -> None:
+    engine_a, engine_b = ScriptedEngine(auto=True), ScriptedEngine(auto=True)
+    a, b = replica(redis_server, engine_a), replica(redis_server, engine_b)
+    opened = await asyncio.gather(*(svc.open_shared("chat", chat(), "across") for svc in (a, b, a, b)))
+    bodies = await asyncio.gather(*(drain(sub.events()) for sub in opened))
+    assert len(set(bodies)) == 1 and bodies[0].endswith(b"data: [DONE]\n\n")
+    assert len(engine_a.started) + len(engine_b.started) == 1
+    for svc in (a, b):  # after the end: replayed, never regenerated; another body: 422 everywhere
+        assert await drain((await svc.open_shared("chat", chat(), "across")).events()) == bodies[0]
+        with pytest.raises(IdempotencyConflict):
+            await svc.open_shared("chat", chat(max_tokens=9), "across")
+    assert len(engine_a.started) + len(engine_b.started) == 1
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_a_non_streaming_answer_is_the_same_body_on_the_other_replica(redis_server: RedisServer) -> None:
+    a = replica(redis_server, ScriptedEngine())
+    b = replica(redis_server, ScriptedEngine())
+    owner = await a.open_shared("chat", chat(stream=False), "whole")
+    follower = await b.open_shared("chat", chat(stream=False), "whole")
+    waiting = asyncio.ensure_future(follower.response())
+    await settle()
+    a.engine.step(8)  # type: ignore[attr-defined]
+    assert await owner.response() == await waiting
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_a_request_refused_while_rendering_is_refused_alike_on_the_other_replica(
+    redis_server: RedisServer,
+) -> None:
+    a = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)  # "a b" renders to 2 tokens
+    b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)
+    with pytest.raises(InvalidRequest) as here:
+        await (await a.open_shared("chat", chat(), "refused")).admitted()
+    with pytest.raises(StoredError) as there:
+        await (await b.open_shared("chat", chat(), "refused")).admitted()
+    assert there.value.status_code == 400 and there.value.to_openai() == here.value.to_openai()
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_cancel_sent_to_another_replica_aborts_on_the_owner(redis_server: RedisServer) -> None:
+    engine_a = ScriptedEngine()
+    a, b = replica(redis_server, engine_a), replica(redis_server, ScriptedEngine())
+    owner = await a.open_shared("chat", chat(max_tokens=100), "cancel-far")
+    reading = asyncio.ensure_future(drain(owner.events()))
+    await settle()
+    outcome = await b.cancel("cancel-far")
+    assert outcome.status == "cancelled"
+    assert len(engine_a.aborted) == 1
+    assert b'"code":"request_cancelled"' in await reading
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_the_grace_window_counts_readers_on_other_replicas(redis_server: RedisServer) -> None:
+    engine_a = ScriptedEngine()
+    a = replica(redis_server, engine_a, disconnect_grace_s=0.2)
+    b = replica(redis_server, ScriptedEngine(), disconnect_grace_s=0.2)
+    (await a.open_shared("chat", chat(max_tokens=100), "grace-far")).close()  # its reader leaves
+    follower = await b.open_shared("chat", chat(max_tokens=100), "grace-far")
+    reading = asyncio.ensure_future(drain(follower.events()))
+    await asyncio.sleep(1.0)  # the window ran out on A, but B still reads
+    assert engine_a.running and not engine_a.aborted
+    reading.cancel()  # B's reader leaves: its presence lapses, then the window runs once more
+    left = time.monotonic()
+    while engine_a.running and time.monotonic() - left < FOLLOW_TTL_S + 3:
+        await asyncio.sleep(0.05)
+    assert engine_a.aborted and a.metrics.aborted_requests.labels("grace_expired")._value.get() == 1
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_store_outage_refuses_ids_serves_anonymous_and_recovers(redis_server: RedisServer) -> None:
+    a = replica(redis_server, ScriptedEngine(auto=True))
+    redis_server.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            await a.open_shared("chat", chat(), "during-outage")
+        with pytest.raises(StoreUnavailable):
+            await a.cancel("during-outage")
+        assert b"[DONE]" in await drain((await a.open_shared("chat", chat())).events())
+        assert a.metrics.store_errors.labels("claim")._value.get() >= 1
+    finally:
+        redis_server.start()
+    assert b"[DONE]" in await drain((await a.open_shared("chat", chat(), "after-outage")).events())
+    with pytest.raises(EventsGone):  # resume of an id the restarted (empty) store never saw
+        await a.open_shared("chat", chat(), "during-outage", last_event_id=3)
+    await a.aclose()
+
+
+async def test_a_request_for_an_id_whose_owner_died_is_refused(redis_server: RedisServer) -> None:
+    b = replica(redis_server, ScriptedEngine())
+    store = IdentityStore(redis_server.url, "x", Metrics())
+    fingerprint_owner = replica(redis_server, ScriptedEngine())
+    owner = await fingerprint_owner.open_shared("chat", chat(), "owner-dies")
+    # The owner's process "dies": its heartbeat stops and lapses (deleted here to skip the wait).
+    assert fingerprint_owner.replicas is not None
+    for task in fingerprint_owner.replicas.store._tasks:
+        task.cancel()
+    await store.client.delete(f"bundle:replica:{fingerprint_owner.replicas.replica_id}")
+    with pytest.raises(ProducerLost):
+        await b.open_shared("chat", chat(), "owner-dies")
+    owner.close()
+    await store.aclose()
+    await fingerprint_owner.aclose()
+    await b.aclose()
