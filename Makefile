@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench bench-prefix bench-capacity cog-schema lint clean
+.PHONY: install serve test soak bench bench-prefix bench-capacity cog-schema lint clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# About 5 minutes of churn against a real server (loopback), then a leak and memory check.
+soak: $(STAMP)
+	$(PY) -m bench.soak --seconds 300 --out bench/results/soak.json
 
 bench: $(STAMP)
 	$(PY) -m bench suite --out bench/results

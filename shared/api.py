@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,11 @@ from shared.errors import (
     Overloaded,
     RequestTooLarge,
     Unauthorized,
+    UnsupportedMediaType,
 )
+from shared.headers import HeaderGuard, bearer_token_matches, parse_last_event_id, parse_request_id
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import Kind
@@ -43,30 +45,60 @@ def create_app(
     *,
     engine: Engine | None = None,
     engine_factory: EngineFactory = open_engine,
+    request_exit: ExitRequest | None = None,
 ) -> FastAPI:
     """Build the app. With `engine`, the caller owns its lifetime (Modal's enter/exit hooks);
-    otherwise the app's lifespan opens one with `engine_factory` and shuts it down after."""
+    otherwise the app's lifespan opens one with `engine_factory` and shuts it down after.
+    `request_exit(code)` is called when the engine has died and the in-flight streams have been
+    told: the server should then exit with that code (see shared/server_state.py)."""
     settings = settings or Settings()
+    lifecycle = Lifecycle(settings.shutdown_grace_s, request_exit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
-            app.state.service = Service(settings, engine)
-            yield
-            await app.state.service.aclose()
+            async with _serving(app, settings, engine, lifecycle):
+                yield
             return
-        async with engine_factory(settings) as opened:
-            app.state.service = Service(settings, opened)
+        async with engine_factory(settings) as opened, _serving(app, settings, opened, lifecycle):
             yield
-            await app.state.service.aclose()
 
     app = FastAPI(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
+    app.state.lifecycle = lifecycle
     _install_error_handlers(app)
     _add_routes(app, settings)
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, api_key=settings.api_key.get_secret_value())
+    # Added last, so outermost: bounded headers are checked before auth and every route.
+    app.add_middleware(HeaderGuard, max_count=settings.max_header_count, max_bytes=settings.max_header_bytes)
     return app
+
+
+@asynccontextmanager
+async def _serving(
+    app: FastAPI, settings: Settings, engine: Engine, lifecycle: Lifecycle
+) -> AsyncIterator[None]:
+    """The service on this engine for the app's lifetime, with the engine-death watchdog."""
+    service = Service(settings, GuardedEngine(engine, lifecycle))
+    _export_held_requests(service)
+    app.state.service = service
+    watchdog = asyncio.create_task(lifecycle.watch(service))
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        lifecycle.close()
+        await service.aclose()
+
+
+def _export_held_requests(service: Service) -> None:
+    """Requests held for dedup/replay, read at scrape time: what a leak check (bench/soak.py)
+    needs from outside besides the running gauges."""
+    from prometheus_client import Gauge
+
+    held = Gauge("bundle_held_requests", "Requests held by X-Request-Id.", registry=service.metrics.registry)
+    held.set_function(lambda: float(service.stats()["held_requests"]))
 
 
 # --- routes -------------------------------------------------------------------------------------
@@ -90,16 +122,19 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        _check_admission(request)
         body = parse_request(ChatCompletionRequest, await _read_json(request, settings))
         return await _respond(request, "chat", body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        _check_admission(request)
         body = parse_request(CompletionRequest, await _read_json(request, settings))
         return await _respond(request, "completion", body)
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request: Request, request_id: str) -> Response:
+        request_id = parse_request_id(request_id, param="request_id") or ""
         outcome = await _service(request).cancel(request_id)
         return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
 
@@ -111,8 +146,25 @@ def _service(request: Request) -> Service:
     return service
 
 
+def _check_admission(request: Request) -> None:
+    """New generations only while serving with a live engine: 503 before any 200 is sent."""
+    service = _service(request)
+    request.app.state.lifecycle.check_admission()
+    if not service.healthy():
+        raise EngineUnavailable("the engine is not running")
+
+
+def _check_json_content_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaType(
+            "send the request body as JSON with 'Content-Type: application/json'", param="Content-Type"
+        )
+
+
 async def _read_json(request: Request, settings: Settings) -> Any:
     """Read the body with a hard cap (413) and decode it (400), before any other work."""
+    _check_json_content_type(request)
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -132,7 +184,7 @@ async def _read_json(request: Request, settings: Settings) -> Any:
 
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
-    request_id = request.headers.get("x-request-id") or None
+    request_id = parse_request_id(request.headers.get("x-request-id"))
     subscription = await service.open_shared(kind, body, request_id, _last_event_id(request))
     try:
         await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
@@ -141,26 +193,39 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
         raise
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
-        return await _whole_response(subscription, headers)
+        return await _whole_response(request, subscription, headers)
     coalesce_s = service.settings.stream_coalesce_ms / 1000
     return EventStreamResponse(subscription.events(coalesce_s), headers={**SSE_HEADERS, **headers})
 
 
 def _last_event_id(request: Request) -> int | None:
-    raw = request.headers.get("last-event-id")
-    if raw is None or raw == "":
-        return None
-    if not raw.isdigit():
-        raise InvalidRequest("Last-Event-ID must be a non-negative integer", param="Last-Event-ID")
-    return int(raw)
+    return parse_last_event_id(request.headers.get("last-event-id"))
 
 
-async def _whole_response(subscription: Subscription | Opened, headers: dict[str, str]) -> Response:
+async def _whole_response(
+    request: Request, subscription: Subscription | Opened, headers: dict[str, str]
+) -> Response:
+    """Wait for the whole body, or for the client to leave: then close at once, so an anonymous
+    generation is aborted now (one with an id gets the grace window, as streams do)."""
+    waiting = asyncio.create_task(subscription.response())
+    leaving = asyncio.create_task(_disconnected(request))
     try:
-        body = await subscription.response()
+        await asyncio.wait({waiting, leaving}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        subscription.close()
-    return JSONResponse(body, headers=headers)
+        leaving.cancel()
+        subscription.close()  # before reading the result: a leaving client must not wait on it
+        if not waiting.done():
+            waiting.cancel()
+        await asyncio.gather(waiting, leaving, return_exceptions=True)
+    if waiting.cancelled():
+        return Response(status_code=499)  # nobody is there to read it
+    return JSONResponse(waiting.result(), headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (the body has been read: only `http.disconnect` is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class EventStreamResponse(StreamingResponse):
@@ -202,7 +267,7 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or self._allowed(scope):
@@ -215,7 +280,7 @@ class BearerAuth:
     def _allowed(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
-                return hmac.compare_digest(value, self.expected)
+                return bearer_token_matches(value, self.api_key)
         return False
 
 

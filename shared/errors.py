@@ -126,3 +126,42 @@ class Cancelled(BundleError):
     status_code = 499
     error_type = "cancelled"
     code = "request_cancelled"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """A POST body that is not declared JSON. Browsers send `text/plain` cross-origin without a
+    preflight, so accepting it would let any web page start generations on a keyless server."""
+
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class HeadersTooLarge(InvalidRequest):
+    status_code = 431
+    code = "request_header_fields_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    status_code = 408
+    code = "request_timeout"
+
+
+class ShuttingDown(BundleError):
+    """The server is stopping (SIGTERM): not a failure of the request or of the engine. A client
+    with an X-Request-Id retries with the same id, elsewhere or after the restart."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "server_shutting_down"
+
+
+SHUTDOWN_MESSAGE = (
+    "the server is shutting down; retry with the same X-Request-Id (and Last-Event-ID to resume a stream)"
+)
+
+
+def abort_error(reason: str) -> BundleError:
+    """The error a generation aborted for `reason` ends with (the registry names the reasons)."""
+    if reason == "shutdown":
+        return ShuttingDown(SHUTDOWN_MESSAGE)
+    return Cancelled(f"generation aborted: {reason}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.choices import Choices
 from shared.engine import Engine, EngineDelta, SamplingRequest
-from shared.errors import BundleError, Cancelled, GenerationFailed
+from shared.errors import BundleError, GenerationFailed, abort_error
 from shared.metrics import Metrics
 from shared.replay import EventLog, Notifier
 from shared.streaming import DONE_DATA, ChunkEncoder, Usage, error_data
@@ -193,7 +193,7 @@ async def produce(
         # vLLM's generator has already aborted the engine request on its way out.
         reason = abort_reason()
         metrics.aborted_requests.labels(reason).inc()
-        output.finish(Cancelled(f"generation aborted: {reason}"))
+        output.finish(abort_error(reason))
     except TimeoutError:
         metrics.aborted_requests.labels("timeout").inc()
         output.finish(GenerationFailed(f"generation exceeded {timeout_s:g} s"))

@@ -96,8 +96,13 @@ class ReplayBuffer:
                 f"events after {last_event_id} are no longer held (oldest held: "
                 f"{self.first_sequence}); restart the request with a new X-Request-Id"
             )
-        if last_event_id >= self.next_sequence and self.closed:
-            raise InvalidRequest(f"Last-Event-ID {last_event_id} is beyond the end of this stream")
+        if last_event_id >= self.next_sequence:
+            # No client can have seen an event not yet written, running stream or not: answering
+            # 200 would wait for an id that may never come (or end without [DONE]).
+            raise InvalidRequest(
+                f"Last-Event-ID {last_event_id} is beyond the last event sent ({self.next_sequence - 1})",
+                param="Last-Event-ID",
+            )
 
     async def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
         """Yield every event after `last_event_id`, then live ones until the stream ends."""

@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
-    import uvicorn
-
     from shared.api import create_app
     from shared.engine import import_vllm, resolve_model_path
+    from shared.process import run_server
+    from shared.server_state import ExitRequest
 
     # The bundle's own start-up lines (engine, request identity) next to uvicorn's.
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
@@ -62,16 +62,16 @@ def serve(settings: Settings) -> None:
     mark("imports")
     resolve_model_path(settings)  # builds the tiny model on first use; cached afterwards
     mark("settings")
-    app = create_app(settings, engine_factory=marked_engine)
-    _mark_when_started(app)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        # The API is one process driving one in-process engine; keep-alive helps SSE clients.
-        timeout_keep_alive=30,
-    )
+
+    def make_app(request_exit: ExitRequest) -> FastAPI:
+        app = create_app(settings, engine_factory=marked_engine, request_exit=request_exit)
+        _mark_when_started(app)
+        return app
+
+    # Non-zero only when the engine died: a supervisor must then replace this process.
+    exit_code = run_server(settings, make_app)
+    if exit_code:
+        raise SystemExit(exit_code)
 
 
 @asynccontextmanager

@@ -116,6 +116,22 @@ class Settings(BaseSettings):
     )
     retry_after_s: int = Field(1, ge=0)
 
+    # --- hostile clients and process lifetime (see shared/http_limits.py) --------------------
+    max_header_count: int = Field(100, ge=16, description="Headers one request may carry; then 431.")
+    max_header_bytes: int = Field(
+        32_768, ge=4096, description="Request line plus headers, in bytes; then 431 (before auth)."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a connection has to deliver a request's headers; then 408."
+    )
+    keep_alive_s: int = Field(30, ge=1, description="Idle keep-alive connections close after this.")
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="After SIGTERM, running streams get this long to finish; then they end with a "
+        "'server shutting down' error event. Keep it inside the platform's kill grace.",
+    )
+
     # --- request identity, resume and disconnects -------------------------------------------
     disconnect_grace_s: float = Field(
         30.0, ge=0, description="How long a generation with X-Request-Id outlives its clients."

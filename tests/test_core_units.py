@@ -227,7 +227,9 @@ async def test_resume_points_outside_the_held_range_are_refused() -> None:
     with pytest.raises(EventsGone):
         buffer.check_resumable(0)
     buffer.check_resumable(buffer.first_sequence - 1)  # exactly the oldest held: fine
-    buffer.check_resumable(500)  # still running: may be resumed later
+    buffer.check_resumable(40)  # the last event sent: nothing to replay, live from here
+    with pytest.raises(InvalidRequest):  # no client can have seen event 41 of a running stream
+        buffer.check_resumable(41)
     buffer.close()
     with pytest.raises(InvalidRequest):
         buffer.check_resumable(500)

@@ -1,0 +1,134 @@
+"""Bounds on what a connection may cost before the app sees a request (uvicorn's layer).
+
+What is bounded where:
+- bytes of a request's head (request line + headers) and the time to deliver it: here, in the
+  HTTP protocol, while the bytes arrive: 431 / 408, OpenAI error JSON, connection closed. uvicorn
+  has neither for httptools (its default parser), which buffers a header of any size (64 MiB took
+  6 s to parse before the auth middleware could answer 401) and waits forever for a head that
+  trickles in.
+- header count and total parsed size, and the identity headers' syntax: `shared.headers.HeaderGuard`
+  (ASGI, so it also holds where another server runs the app, such as Modal's).
+- idle keep-alive connections: uvicorn's `timeout_keep_alive`.
+- the body: `shared.api` reads it with `max_body_bytes` (413).
+- the drain after SIGTERM: `shared.server_state` (grace) and uvicorn's `timeout_graceful_shutdown`.
+
+Without httptools (the deploy images install plain uvicorn, which then uses h11), h11's own
+`max_incomplete_event_size` bounds the head size; the head timeout needs httptools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from shared.errors import BundleError, HeadersTooLarge, RequestTimeout
+from shared.settings import Settings
+from shared.streaming import error_data
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn.Config keyword arguments that bound connections for these settings."""
+    options: dict[str, Any] = {
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        # Keep-alive helps SSE clients that resume or send the next request on one connection.
+        "timeout_keep_alive": settings.keep_alive_s,
+        # Our own drain ends streams at shutdown_grace_s with an error event; uvicorn's bound is
+        # the backstop that cuts whatever still hangs a little later.
+        "timeout_graceful_shutdown": int(settings.shutdown_grace_s) + 5,
+    }
+    protocol = bounded_httptools_protocol(settings.max_header_bytes, settings.header_timeout_s)
+    if protocol is not None:
+        options["http"] = protocol
+    return options
+
+
+def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> type | None:
+    """uvicorn's httptools protocol with a size and a time bound on each request's head."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools: uvicorn falls back to h11 (bounded by size only)
+        return None
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._head_open = True  # reading a request line + headers (not a body)
+            self._head_bytes = 0
+            self._head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()  # a connection that never sends a byte is bounded too
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._head_open:
+                super().data_received(data)
+                return
+            room = max_head_bytes - self._head_bytes
+            self._head_bytes += len(data)
+            if len(data) <= room:
+                super().data_received(data)
+                return
+            # Feed only what the bound allows: if the head is complete within it, the rest is body.
+            super().data_received(data[:room])
+            if self._head_open and not self.transport.is_closing():
+                self._refuse(HeadersTooLarge(f"request line and headers exceed {max_head_bytes} bytes"))
+            elif not self.transport.is_closing():
+                super().data_received(data[room:])
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_open = True
+            self._arm_head_timer()
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            self._disarm_head_timer()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            # Whatever comes next on this connection is the next request's head.
+            self._head_open = True
+            self._head_bytes = 0
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
+
+        def _disarm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self._head_open and not self.transport.is_closing():
+                self._refuse(RequestTimeout(f"request headers not received within {head_timeout_s:g} s"))
+
+        def _refuse(self, error: BundleError) -> None:
+            self.transport.write(raw_error_response(error))
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
+def raw_error_response(error: BundleError) -> bytes:
+    """A complete HTTP/1.1 response carrying the OpenAI error JSON, closing the connection."""
+    body = error_data(error)
+    reason = _REASONS.get(error.status_code, b"Error")
+    return b"".join(
+        [
+            b"HTTP/1.1 %d %s\r\n" % (error.status_code, reason),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )

@@ -1,0 +1,64 @@
+"""One server process: uvicorn with the bundle's bounds, a bounded drain, and an honest exit code.
+
+- SIGTERM/SIGINT: uvicorn stops accepting and waits for open responses; the app's `Lifecycle`
+  starts its grace timer at the same moment, so streams still running at `shutdown_grace_s` end
+  with a "server shutting down" error event instead of being cut by the platform's kill.
+  uvicorn then re-raises the signal, so the process ends the way the signal asked.
+- A dead engine: the app asks this server to exit (after in-flight streams got their error
+  events), and the process exits with `ENGINE_DEAD_EXIT_CODE` so a supervisor replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from shared.http_limits import uvicorn_options
+from shared.server_state import ExitRequest
+from shared.settings import Settings
+
+
+def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | None = None) -> int:
+    """Serve the API until a signal or engine death; return the exit code the process should use.
+    `make_app(request_exit)` builds the app (default: `create_app(settings, request_exit=...)`)."""
+    from shared.api import create_app
+
+    exit_code = 0
+
+    def request_exit(code: int) -> None:
+        nonlocal exit_code
+        exit_code = code
+        server.should_exit = True
+
+    def on_signal() -> None:
+        service = getattr(app.state, "service", None)
+        if service is not None:  # None: still starting, nothing to drain
+            app.state.lifecycle.begin_shutdown(service)
+
+    app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, **uvicorn_options(settings)
+    )
+    server = DrainingServer(config, on_signal)
+    server.run()
+    return exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that also tells the app when a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # A signal handler runs between two bytecodes of the loop's own thread: schedule the
+        # drain on the loop rather than touch its state from here.
+        with contextlib.suppress(RuntimeError):  # no loop running (yet or any more): nothing to drain
+            asyncio.get_running_loop().call_soon(self._on_signal)

@@ -1,0 +1,93 @@
+"""Bounded graceful shutdown: after SIGTERM, running streams get `shutdown_grace_s`, then end
+with a "server shutting down" error event (not "engine died"), and the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from shared.api import create_app
+from shared.server_state import ENGINE_DEAD_EXIT_CODE
+from shared.settings import Settings
+from tests.conftest import ENGINE_SETTINGS, LiveServers, free_port, long_chat
+from tests.real_server import bundle_server, data_events
+
+GRACE_S = 1.0
+
+
+@pytest.fixture
+def draining_app(live: LiveServers) -> Iterator[tuple[str, FastAPI]]:
+    """An app of its own on the session's engine (a drain aborts only this app's generations)."""
+    settings = Settings(**{**ENGINE_SETTINGS.model_dump(), "shutdown_grace_s": GRACE_S})
+    app = create_app(settings, engine=live.engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+
+    async def start() -> None:
+        live.loop.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+
+    live.call(start())
+    yield f"http://127.0.0.1:{port}", app
+    server.should_exit = True
+
+
+def test_streams_run_through_the_grace_then_end_with_a_shutdown_event(
+    live: LiveServers, draining_app: tuple[str, FastAPI]
+) -> None:
+    url, app = draining_app
+    with httpx.Client(base_url=url, timeout=60) as client:
+        headers = {"X-Request-Id": "drain-me"}
+        with client.stream("POST", "/v1/chat/completions", json=long_chat(), headers=headers) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+
+            async def signal_arrives() -> None:  # what shared.process does on SIGTERM
+                app.state.lifecycle.begin_shutdown(app.state.service)
+
+            live.call(signal_arrives())
+            signalled = time.monotonic()
+            refused = client.post("/v1/chat/completions", json=long_chat(max_tokens=2))
+            rest = data_events(lines)
+            ended = time.monotonic() - signalled
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert rest[-1] == "[DONE]"
+    error = orjson.loads(rest[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "X-Request-Id" in error["message"]
+    tokens_after_signal = [d for d in rest[:-2] if "choices" in orjson.loads(d)]
+    assert tokens_after_signal  # the stream kept going during the grace
+    assert GRACE_S <= ended < GRACE_S + 10  # ended by the grace timer, not by the end of generation
+
+
+def test_sigterm_to_the_whole_group_says_shutting_down_not_engine_died(tmp_path: Path) -> None:
+    # The engine core gets the signal too and stops at once; clients must hear "shutting down".
+    with bundle_server(tmp_path) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        headers = {"X-Request-Id": "group-signal"}
+        with client.stream("POST", "/v1/chat/completions", json=long_chat(), headers=headers) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            os.killpg(server.process.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = data_events(lines)
+        assert rest[-1] == "[DONE]"
+        error = orjson.loads(rest[-2])["error"]
+        assert error["code"] == "server_shutting_down", error
+        code = server.wait(timeout=30)
+        took = time.monotonic() - signalled
+    # uvicorn re-raises the signal after its shutdown, so the process ends "killed by SIGTERM".
+    assert code in (-signal.SIGTERM, 0) and code != ENGINE_DEAD_EXIT_CODE, server.log.read_text()[-3000:]
+    print(f"server exited {took:.1f} s after SIGTERM to its group")
