@@ -127,10 +127,16 @@ def markdown_table(results: dict[str, list[dict[str, Any]]], levels: list[int]) 
         lines.append(
             f"| {without['concurrency']} | {without['output_tokens_per_s']:.0f} | "
             f"{with_store['output_tokens_per_s']:.0f} | {ratio:.3f} | {ttft_a:.1f} ms | {ttft_b:.1f} ms | "
-            f"{ttft_b - ttft_a:+.1f} ms | {with_store['store_round_trips_per_token']:.3f} | "
-            f"{with_store['store_commands_per_token']:.2f} |"
+            f"{ttft_b - ttft_a:+.1f} ms | {_figure(with_store['store_round_trips_per_token'], 3)} | "
+            f"{_figure(with_store['store_commands_per_token'], 2)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _figure(value: float | None, digits: int) -> str:
+    """A counter-derived figure, or 'n/a' when the server's counters could not be read: the
+    table must still be written (the H200 run of 2026-11-30 lost it to exactly this)."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 # --- the store ------------------------------------------------------------------------------------
