@@ -621,7 +621,9 @@ def test_huge_prompts_are_refused_without_stalling_a_running_stream(base_url: st
     worst = max(gaps)
     print(f"worst inter-token gap while 12 oversized prompts were refused: {worst * 1000:.0f} ms")
     assert len(in_window) >= 2  # the stream kept going while they were refused
-    assert worst < 0.6  # generous: a stalled loop gave 4.3 s; a free one gives tens of ms
+    # Generous (the clients run in this process too, and the engine spins on the same 2 cores): a
+    # stalled loop gave 4.3 s; a free one gives ~0.1 s here. The measured figure is in README.
+    assert worst < 1.0
 
 
 def _aborted(service: Service, reason: str) -> float:
