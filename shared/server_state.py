@@ -68,8 +68,8 @@ class Lifecycle:
         self._grace_timer = loop.call_later(self.shutdown_grace_s, self._end_running, service)
 
     def _end_running(self, service: Service) -> None:
-        # The registry aborts with reason "shutdown", which readers see as ShuttingDown.
-        self._spawn(service.registry.shutdown())
+        # Aborted with reason "shutdown", which readers see as ShuttingDown.
+        self._spawn(service.end_running())
 
     # --- engine death -------------------------------------------------------------------------
     async def watch(self, service: Service) -> None:

@@ -70,6 +70,10 @@ class Service:
             )
             self._stats_task = asyncio.get_running_loop().create_task(publisher)
 
+    async def end_running(self) -> None:
+        """Abort every running generation now (reason "shutdown"); readers get their error event."""
+        await self.registry.shutdown()
+
     async def aclose(self) -> None:
         """Abort what is still running and stop background work."""
         await self.registry.shutdown()
