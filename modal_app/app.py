@@ -190,9 +190,11 @@ class Server:
     def web(self) -> FastAPI:
         from shared.api import create_app
 
+        # In a container, a dead engine retires the container (see `_retire_container`).
+        retire = None if modal.is_local() else _retire_container
         if self.lifecycle is None:  # no snapshot hooks: the lifespan starts the engine
-            return create_app(SETTINGS)
-        return create_app(SETTINGS, engine_factory=self.lifecycle.engine_factory)
+            return create_app(SETTINGS, request_exit=retire)
+        return create_app(SETTINGS, engine_factory=self.lifecycle.engine_factory, request_exit=retire)
 
     @modal.exit()
     def stop(self) -> Work | None:
@@ -202,6 +204,18 @@ class Server:
         if self.lifecycle is None or self.lifecycle.engine is None:
             return None
         return in_container(self.lifecycle.stop)
+
+
+def _retire_container(code: int) -> None:
+    """The engine died and the in-flight streams got their error events (shared/server_state.py):
+    take no more inputs, so the container exits once the requests in hand end and Modal starts a
+    fresh one, instead of a container that answers 503 until its scale-down window runs out."""
+    import asyncio
+
+    import modal.experimental
+
+    log.error("the engine died (exit code %d): this container takes no more inputs", code)
+    asyncio.get_running_loop().create_task(modal.experimental.stop_fetching_inputs.aio())
 
 
 # --- Smoke test: `modal run modal_app/app.py` -------------------------------------------------
