@@ -13,23 +13,17 @@ from bench.levels import NO_METERS, Meters, run_levels
 from bench.loadgen import run_level
 from bench.requesters import engine_requester, http_requester, load_client
 from bench.workload import Workload
-from shared.engine import batch_token_budget, start_llm, stop_llm
+from shared.engine import batch_token_budget, import_engine_modules, start_llm, stop_llm
 from shared.settings import Settings
 
 WARM_UP_REQUESTS = 4  # graphs, caches, connections; their prompts are a batch of their own
 
 
 def import_engine() -> None:
-    """Import vLLM's engine before any frame that will hold one is on the stack.
-
-    Importing it records a ModuleNotFoundError (torchcodec, which the CPU install removes) in
-    a module global of `vllm.multimodal.media.audio`. That exception's traceback holds the
-    importing frames and, through them, every caller's frame with its final locals. Imported
-    from inside `bench_raw`, that kept the `AsyncLLM` alive until interpreter teardown, where
-    its `__del__` ran after module globals were cleared: "TypeError: 'NoneType' object is not
-    callable" at the end of `make bench`. Imported from here, the frames held hold no engine.
-    """
-    import vllm.v1.engine.async_llm  # noqa: F401
+    """Import vLLM's engine before any frame that will hold one exists (see
+    `shared.engine.import_engine_modules`: otherwise `make bench` ended with an `AsyncLLM.__del__`
+    traceback)."""
+    import_engine_modules()
 
 
 async def bench_raw(

@@ -481,6 +481,7 @@ def start_llm(settings: Settings) -> Any:
     H100/H200 gets 8,192. The bundle is an OpenAI server, so it asks for the server's defaults:
     the same engine a user would get from vLLM's own server, and a like-for-like benchmark.
     """
+    import_engine_modules()
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -491,6 +492,29 @@ def start_llm(settings: Settings) -> Any:
     freeze_startup_heap()
     _live_engines.append(llm)
     return llm
+
+
+def import_engine_modules() -> None:
+    """Import vLLM's engine the first time from a fresh thread, whose stack holds nothing else.
+
+    The first import stores an ImportError (torchcodec, which the CPU install removes) in a
+    module global of `vllm.multimodal.media.audio`; its traceback keeps the importing frames and,
+    through `f_back`, every caller's frame alive with its locals. Imported under `start_llm`, that
+    pinned the caller's `AsyncLLM` until interpreter teardown, where its `__del__` ran after the
+    module globals were gone ("TypeError: 'NoneType' object is not callable" at exit).
+    """
+    import sys
+    import threading
+
+    if "vllm.v1.engine.async_llm" in sys.modules:
+        return
+
+    def load() -> None:
+        import vllm.v1.engine.async_llm  # noqa: F401
+
+    loader = threading.Thread(target=load, name="vllm-import")
+    loader.start()
+    loader.join()
 
 
 # Engines started and not yet stopped in this process. The frozen heap is process-wide, so it
