@@ -179,10 +179,15 @@ class Service:
         return self._start(kind, body, request_id, fingerprint)
 
     def _start(self, kind: Kind, body: OpenAIRequest, request_id: str | None, fingerprint: str | None) -> Entry:
-        """Register and start a generation. Only cheap checks run here, on the event loop; the
-        prompt is rendered and checked inside the generation's task (`_prepare_and_produce`),
-        and readers wait for that verdict (`Subscription.admitted`) before any 200 is sent."""
+        """Register and start a generation. A short prompt is rendered and checked right here
+        (cheaper than any hop, and a 4xx is raised to the caller at once); a long one inside the
+        generation's task, off the event loop (`_prepare_and_produce`), and readers wait for
+        that verdict (`Subscription.admitted`) before any 200 is sent."""
         self._check_prompt_size(body)
+        prepared = None
+        if _prompt_chars(body) <= INLINE_TOKENIZE_MAX_CHARS:
+            prompt_ids = self._prompt_ids(body)
+            prepared = (prompt_ids, self._sampling(body, prompt_ids))
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
@@ -193,8 +198,10 @@ class Service:
         )
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
-            await self._prepare_and_produce(out, body, completion_id, abort_reason)
+            await self._prepare_and_produce(out, body, completion_id, abort_reason, prepared)
 
+        if prepared is not None:
+            output.accept(prompt_tokens=len(prepared[0]))
         entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
         self.registry.start(entry, producer)
         if self.replicas is not None and request_id is not None:
@@ -202,10 +209,18 @@ class Service:
         return entry
 
     async def _prepare_and_produce(
-        self, output: GenerationOutput, body: OpenAIRequest, completion_id: str, abort_reason: Callable[[], str]
+        self,
+        output: GenerationOutput,
+        body: OpenAIRequest,
+        completion_id: str,
+        abort_reason: Callable[[], str],
+        prepared: tuple[list[int], SamplingRequest] | None,
     ) -> None:
+        if prepared is not None:
+            await self._produce(output, prepared[1], completion_id, abort_reason)
+            return
         try:
-            prompt_ids = await self._render_off_loop(body)
+            prompt_ids = await self._render_in_thread(body)
             sampling = self._sampling(body, prompt_ids)
         except BundleError as exc:
             output.reject(exc)  # a 4xx for every reader; the engine never saw it
@@ -218,6 +233,15 @@ class Service:
             output.reject(GenerationFailed(f"rendering the prompt failed: {type(exc).__name__}"))
             return
         output.accept(prompt_tokens=len(prompt_ids))
+        await self._produce(output, sampling, completion_id, abort_reason)
+
+    async def _produce(
+        self,
+        output: GenerationOutput,
+        sampling: SamplingRequest,
+        completion_id: str,
+        abort_reason: Callable[[], str],
+    ) -> None:
         await produce(
             output,
             self.engine,
@@ -228,12 +252,10 @@ class Service:
             abort_reason=abort_reason,
         )
 
-    async def _render_off_loop(self, body: OpenAIRequest) -> list[int]:
-        """Tokenize (or apply the chat template) without stalling other streams: a long prompt
-        goes to the one tokenizer thread (one, because a Hugging Face tokenizer is not safe to
-        call from two threads at once), a short one is cheaper to do right here than to hop."""
-        if _prompt_chars(body) <= INLINE_TOKENIZE_MAX_CHARS:
-            return self._prompt_ids(body)
+    async def _render_in_thread(self, body: OpenAIRequest) -> list[int]:
+        """Tokenize (or apply the chat template) a long prompt without stalling other streams:
+        in the one tokenizer thread (one, because a Hugging Face tokenizer is not safe to call
+        from two threads at once)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, body)
 

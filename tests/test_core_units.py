@@ -174,9 +174,16 @@ async def test_text_readers_get_every_piece_once_and_the_whole_body() -> None:
     subscription.close()
 
 
-async def test_a_prompt_refused_after_rendering_is_an_error_before_any_event() -> None:
+async def test_a_short_prompt_over_the_token_limit_is_refused_at_open() -> None:
     service, engine = make_service(max_prompt_tokens=3)
-    subscription = service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
+    with pytest.raises(InvalidRequest, match="tokens"):
+        service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
+    assert engine.started == []
+
+
+async def test_a_long_prompt_refused_after_rendering_is_an_error_before_any_event() -> None:
+    service, engine = make_service(max_prompt_tokens=200)  # within the character bound, over the token one
+    subscription = service.open("chat", chat(messages=[{"role": "user", "content": "w " * 2500}]))
     with pytest.raises(InvalidRequest, match="tokens"):
         await subscription.admitted()
     subscription.close()
