@@ -164,13 +164,30 @@ async def test_a_non_streaming_answer_is_the_same_body_on_the_other_replica(redi
 async def test_a_request_refused_while_rendering_is_refused_alike_on_the_other_replica(
     redis_server: RedisServer,
 ) -> None:
+    # A long prompt (rendered in the tokenizer thread, so the verdict comes after the claim):
+    # within the character bound of 200 tokens, over the token limit.
+    a = replica(redis_server, ScriptedEngine(), max_prompt_tokens=200)
+    b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=200)
+    long_chat = chat(messages=[{"role": "user", "content": "w " * 2500}])
+    with pytest.raises(InvalidRequest) as here:
+        await (await a.open_shared("chat", long_chat, "refused")).admitted()
+    with pytest.raises(StoredError) as there:
+        await (await b.open_shared("chat", long_chat, "refused")).admitted()
+    assert there.value.status_code == 400 and there.value.to_openai() == here.value.to_openai()
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_a_short_prompt_refused_at_once_is_refused_alike_on_the_other_replica(
+    redis_server: RedisServer,
+) -> None:
     a = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)  # "a b" renders to 2 tokens
     b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)
     with pytest.raises(InvalidRequest) as here:
-        await (await a.open_shared("chat", chat(), "refused")).admitted()
-    with pytest.raises(StoredError) as there:
-        await (await b.open_shared("chat", chat(), "refused")).admitted()
-    assert there.value.status_code == 400 and there.value.to_openai() == here.value.to_openai()
+        await a.open_shared("chat", chat(), "refused-short")  # refused before any claim is kept
+    with pytest.raises(InvalidRequest) as there:
+        await b.open_shared("chat", chat(), "refused-short")
+    assert there.value.to_openai() == here.value.to_openai()
     await a.aclose()
     await b.aclose()
 
