@@ -42,7 +42,7 @@ def running_server(command: list[str], port: int, log: Path, env: dict[str, str]
             command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
         )
         try:
-            _wait_healthy(port, process, timeout_s=900)
+            wait_healthy(f"http://127.0.0.1:{port}", process, timeout_s=900)
             yield process.pid
         finally:
             _stop_group(process)
@@ -59,16 +59,19 @@ def _stop_group(process: subprocess.Popen) -> None:
         os.killpg(process.pid, 9)
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, timeout_s: float) -> None:
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float, interval_s: float = 0.5) -> None:
+    """Poll `GET /health` until it answers 200. Raise RuntimeError if the process exits first
+    or `timeout_s` passes (callers add where its log is)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before it was healthy")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError("server did not become healthy in time")
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode} before /health answered 200")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{base_url}/health").status_code == 200:
+                    return
+            time.sleep(interval_s)
+    raise RuntimeError("the server did not answer /health 200 in time")
 
 
 def bundle_command(port: int) -> list[str]:

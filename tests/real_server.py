@@ -13,14 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 
+from bench.servers import wait_healthy
 from tests.conftest import free_port
 
 START_TIMEOUT_S = 300  # a cold start on the busy 2-core box; ~20 s when quiet
@@ -66,25 +65,15 @@ def bundle_server(log_dir: Path, **settings: str) -> Iterator[ServerProcess]:
         )
         server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
         try:
-            _wait_healthy(server)
+            try:
+                wait_healthy(server.url, process, START_TIMEOUT_S)
+            except RuntimeError as exc:
+                raise AssertionError(f"{exc}: {log.read_text()[-2000:]}") from None
             yield server
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
-
-
-def _wait_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            tail = server.log.read_text()[-2000:]
-            raise AssertionError(f"server exited with {server.process.returncode}: {tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise AssertionError("server did not become healthy in time")
 
 
 def data_events(lines: Iterator[str]) -> list[str]:

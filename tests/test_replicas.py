@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.servers import wait_healthy
 from shared.client import ResumableClient
 from shared.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import free_port, long_chat
@@ -74,17 +75,6 @@ def _start(redis_url: str, log: Path) -> Replica:
     return Replica(f"http://127.0.0.1:{port}", process, log)
 
 
-def _wait_healthy(replica: Replica, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if replica.process.poll() is not None:
-            raise RuntimeError(f"replica exited at start-up; see {replica.log}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{replica.url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"replica not healthy in time; see {replica.log}")
-
-
 @pytest.fixture(scope="module")
 def replicas(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     logs = tmp_path_factory.mktemp("replicas")
@@ -92,7 +82,10 @@ def replicas(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
     try:
         deadline = time.monotonic() + 540
         for replica in pair:
-            _wait_healthy(replica, deadline)
+            try:
+                wait_healthy(replica.url, replica.process, deadline - time.monotonic(), interval_s=0.3)
+            except RuntimeError as exc:
+                raise RuntimeError(f"replica {replica.url}: {exc}; see {replica.log}") from None
         yield pair
     finally:
         for replica in pair:
