@@ -183,9 +183,10 @@ class Service:
         (cheaper than any hop, and a 4xx is raised to the caller at once); a long one inside the
         generation's task, off the event loop (`_prepare_and_produce`), and readers wait for
         that verdict (`Subscription.admitted`) before any 200 is sent."""
-        self._check_prompt_size(body)
+        chars = _prompt_chars(body)
+        self._check_prompt_size(body, chars)
         prepared = None
-        if _prompt_chars(body) <= INLINE_TOKENIZE_MAX_CHARS:
+        if chars <= INLINE_TOKENIZE_MAX_CHARS:
             prompt_ids = self._prompt_ids(body)
             prepared = (prompt_ids, self._sampling(body, prompt_ids))
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -259,13 +260,12 @@ class Service:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, body)
 
-    def _check_prompt_size(self, body: OpenAIRequest) -> None:
+    def _check_prompt_size(self, body: OpenAIRequest, chars: int) -> None:
         """Refuse prompts that cannot fit before paying to tokenize them (a 1 MB prompt costs
         about a second of CPU): no tokenizer in use packs more than MAX_CHARS_PER_TOKEN
         characters into one token on ordinary text, so more characters than that many times
         the token limit can only be refused after tokenizing anyway."""
         limit = self.settings.max_prompt_tokens * MAX_CHARS_PER_TOKEN
-        chars = _prompt_chars(body)
         if chars > limit:
             raise InvalidRequest(
                 f"prompt has {chars} characters; at most {limit} can fit the limit of "
