@@ -49,7 +49,11 @@ class Replicas:
         self._claim_ttl_s = settings.request_timeout_s + settings.retention_s
         self.store = IdentityStore(url, self.replica_id, metrics)
         self.writer = StreamWriter(
-            self.store, settings.max_events_per_request, settings.retention_s, self._claim_ttl_s
+            self.store,
+            settings.max_events_per_request,
+            settings.retention_s,
+            self._claim_ttl_s,
+            window_s=settings.redis_write_window_ms / 1000,
         )
         self._claiming: dict[str, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[object]] = set()
@@ -118,14 +122,19 @@ class Replicas:
             raise
 
     # --- the owner's side -------------------------------------------------------------------------
+    def mirror(self, entry: Entry) -> None:
+        """Put the shared log behind a generation this replica is about to start. Called before
+        its task exists: the task may run its first steps at once (eager start) and emit."""
+        request_id = entry.request_id
+        assert request_id is not None
+        assert isinstance(entry.output.events, ReplayBuffer)
+        entry.output.events = SharedLog(entry.output.events, self.writer, request_id)
+
     def own(self, entry: Entry) -> None:
-        """Mirror a generation this replica started into the store. Called right after the
-        registry created its task, which has not run yet, so no event is missed."""
+        """Write the final state to the store when the generation (mirrored) ends."""
         request_id = entry.request_id
         assert request_id is not None and entry.fingerprint is not None and entry.task is not None
         output = entry.output
-        assert isinstance(output.events, ReplayBuffer)
-        output.events = SharedLog(output.events, self.writer, request_id)
         claim = Claim(entry.fingerprint, self.replica_id, output.stream)
 
         def finished(_: asyncio.Task[None]) -> None:

@@ -204,9 +204,12 @@ class Service:
         if prepared is not None:
             output.accept(prompt_tokens=len(prepared[0]))
         entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
+        shared = self.replicas if request_id is not None else None
+        if shared is not None:
+            shared.mirror(entry)
         self.registry.start(entry, producer)
-        if self.replicas is not None and request_id is not None:
-            self.replicas.own(entry)
+        if shared is not None:
+            shared.own(entry)
         return entry
 
     async def _prepare_and_produce(
