@@ -43,8 +43,18 @@ BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
 
 
 class StreamWriter:
-    def __init__(self, store: IdentityStore, max_events: int, retention_s: float, running_ttl_s: float) -> None:
+    def __init__(
+        self,
+        store: IdentityStore,
+        max_events: int,
+        retention_s: float,
+        running_ttl_s: float,
+        window_s: float = 0.0,
+    ) -> None:
         self._store = store
+        # Each write waits this long first, gathering what comes meanwhile: at one stream a
+        # token every ~5 ms would otherwise cost a round trip each (and the syscalls with it).
+        self._window_s = window_s
         self._max_events = max_events
         self._retention_ms = max(int(retention_s * 1000), 1)
         # A stream whose owner dies is never finished: it still expires, after the longest
@@ -74,8 +84,12 @@ class StreamWriter:
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let every producer woken in this loop turn queue its events
-        while self._events or self._finals:
+        while True:
+            # At least one loop turn before each write: every producer woken in this turn (or
+            # in this window) queues its events first.
+            await asyncio.sleep(self._window_s)
+            if not (self._events or self._finals):
+                return
             events, self._events = self._events, []
             finals, self._finals = self._finals, []
             try:

@@ -147,6 +147,14 @@ class Settings(BaseSettings):
         description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
         "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
     )
+    redis_write_window_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="The events of shared streams are written to the store together, at most once "
+        "per this window: fewer round trips per token, and followers on other replicas see events "
+        "up to this much later (0: one write per event-loop turn).",
+    )
 
     engine_stats_file: Path | None = Field(
         None, description="If set, the engine's running-request count is written here (JSON)."
