@@ -12,8 +12,9 @@ What is bounded where:
 - the body: `shared.api` reads it with `max_body_bytes` (413).
 - the drain after SIGTERM: `shared.server_state` (grace) and uvicorn's `timeout_graceful_shutdown`.
 
-Without httptools (the deploy images install plain uvicorn, which then uses h11), h11's own
-`max_incomplete_event_size` bounds the head size; the head timeout needs httptools.
+The deploy images pin httptools (shared/requirements-deploy.txt), so both bounds hold there.
+Without it uvicorn falls back to h11, whose own `max_incomplete_event_size` bounds the head
+size; the head timeout needs httptools.
 """
 
 from __future__ import annotations
