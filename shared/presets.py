@@ -21,13 +21,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     #   largest lever: one stream 287 tok/s against 203 in bf16 (3.44 ms/token, below bf16's
     #   weight-read floor), and about 12,400 tok/s against 9,500 at 256 streams (first wave).
     #   Checkpoints already in FP8 (the Modal default model) keep their own scales.
-    # - max_num_batched_tokens 16384: twice the serving default (8,192 on an H100/H200), so a
-    #   wave of new requests is prefilled in half the steps; it costs inter-token p99 while a
-    #   wave is prefilled, which a throughput deploy accepts. Figure: `gpu.sh presets` (to fill).
+    # - max_num_batched_tokens 8192, the serving default on an H100/H200, set explicitly: 16,384
+    #   (tried first) prefilled a wave of new requests in half the steps, but each such step
+    #   stalled every running stream longer: inter-token p99 at 256 streams 233 ms against
+    #   `vllm serve`'s 195 (2026-11-30, bench/results-h200/presets/ of that date, in git history).
     # - max_num_seqs stays 256: the KV cache of an 8B model at 768 tokens per stream holds far
     #   more, but Modal's per-container concurrency is derived from it (modal_app/settings.py).
     # - kv cache dtype stays auto: an FP8 KV cache without calibrated scales changes outputs.
-    "throughput": {"quantization": "fp8", "max_num_batched_tokens": 16384},
+    "throughput": {"quantization": "fp8", "max_num_batched_tokens": 8192},
     # Lowest time to first token and steadiest inter-token latency, for chat.
     # - fp8 as above: per-token time is weight reads, so it is also the latency lever.
     # - max_num_batched_tokens 2048: a step never prefills more than 2,048 tokens, so running
