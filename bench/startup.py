@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from bench.servers import wait_healthy
+from shared.caches import compile_cache_env
 from shared.settings import Settings
 
 SCHEMA = "bundle-startup/1"
@@ -212,13 +213,9 @@ def path_env(path: str, caches: Path) -> dict[str, str]:
 
 
 def cache_env(caches: Path) -> dict[str, str]:
-    # vLLM's compile cache, and the inductor and triton caches beside it: all or nothing, or an
-    # "empty" cache would still find inductor's kernels in /tmp.
-    return {
-        "VLLM_CACHE_ROOT": str(caches),
-        "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-        "TRITON_CACHE_DIR": str(caches / "triton"),
-    }
+    # All three caches or none, as a deploy keeps them (shared/caches.py): otherwise an "empty"
+    # cache would still find inductor's kernels in /tmp.
+    return compile_cache_env(str(caches))
 
 
 def run_server_paths(paths: list[str], runs: int, model: str, work: Path, timeout_s: float) -> dict[str, Any]:

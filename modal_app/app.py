@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import modal
 
 from modal_app.settings import ModalSettings
+from shared.caches import compile_cache_env
 from shared.lifecycle import EngineLifecycle  # light: vLLM is imported only when an engine starts
 from shared.settings import Settings
 
@@ -112,7 +113,8 @@ CONTAINER_ENV: dict[str, str | None] = {
     **SETTINGS.deploy_env(),
     **MODAL.deploy_env(),
     "HF_HOME": HF_CACHE_DIR,
-    "VLLM_CACHE_ROOT": VLLM_CACHE_DIR,
+    # vLLM's, inductor's and Triton's compiled artifacts, all on the volume (shared/caches.py).
+    **compile_cache_env(VLLM_CACHE_DIR),
     "BUNDLE_CACHE_DIR": f"{HF_CACHE_DIR}/vllm-serverless-bundle",
 }
 

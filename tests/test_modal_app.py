@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 from modal._partial_function import _find_partial_methods_for_user_cls, _PartialFunctionFlags
 
+from bench.startup import cache_env
 from modal_app.settings import ModalSettings
 from shared.settings import Settings
 
@@ -88,6 +89,14 @@ def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
         == (48, 24)
     )  # max_num_seqs, and half of it
     assert set(info.volumes) == {module.HF_CACHE_DIR, module.VLLM_CACHE_DIR}
+    # Every compile cache a start reads lies on the cache volume, the layout whose start-up the
+    # benchmark's warm path measures: vLLM's own, inductor's and Triton's (a container without
+    # Triton's spent ~18 s recompiling kernels on the H200).
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert module.CONTAINER_ENV[name].startswith(module.VLLM_CACHE_DIR), name
+    assert {k: module.CONTAINER_ENV[k] for k in cache_env(Path("/x"))} == {
+        k: v.replace("/x", module.VLLM_CACHE_DIR) for k, v in cache_env(Path("/x")).items()
+    }
     assert info.method_details["web"].unauthenticated is False  # requires_proxy_auth
 
 
