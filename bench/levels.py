@@ -36,6 +36,9 @@ class Meters:
     # is what the bundle adds before the engine is asked (HTTP, parsing, task queueing) plus
     # the first event's way out.
     server_ttft: TtftCounter | None = None
+    # Server counters reported per output token (name -> value so far), e.g. the identity
+    # store's round trips; divided by the tokens the clients counted, not the server's own.
+    per_token: Callable[[], dict[str, float]] | None = None
 
 
 NO_METERS = Meters()
@@ -65,7 +68,13 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
     cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
     cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
     ttft_before = meters.server_ttft() if meters.server_ttft else (0.0, 0)
+    counted_before = meters.per_token() if meters.per_token else {}
     result = await run(prompts, level)
+    if meters.per_token is not None:
+        counted_after, tokens = meters.per_token(), result["output_tokens"]
+        for name, value in counted_after.items():
+            spent = value - counted_before.get(name, 0.0)
+            result[f"{name}_per_token"] = spent / tokens if tokens else None
     if meters.serving_cpu is not None and result["output_tokens"]:
         result["serving_cpu_ms_per_token"] = (
             1000 * (meters.serving_cpu() - cpu_before) / result["output_tokens"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -30,6 +31,9 @@ class Sample:
     # Prompt tokens vLLM served from its prefix cache (its own per-request count,
     # `RequestOutput.num_cached_tokens`); None where the target does not report it.
     cached_tokens: int | None = None
+    # Why it failed (status and the start of the body, or the exception): a benchmark that
+    # counts errors must also say what they were.
+    error: str = ""
 
 
 # One request: prompt token ids -> its timeline.
@@ -59,6 +63,7 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "concurrency": concurrency,
         "requests": len(samples),
         "errors": len(samples) - len(good),
+        "error_kinds": dict(Counter(s.error or "unknown" for s in samples if not s.ok).most_common(5)),
         "wall_s": wall_s,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall_s if wall_s else 0.0,

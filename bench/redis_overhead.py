@@ -23,21 +23,19 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-from bench.levels import Meters, run_levels
-from bench.loadgen import run_level
-from bench.requesters import http_requester, load_client
+from bench.levels import Meters
 from bench.servers import bundle_command, free_port, process_cpu_s, running_server
+from bench.targets import bench_http
 from bench.workload import Workload
 
 TARGETS = ("bundle", "bundle+redis")
-WARM_UP_REQUESTS = 8
 
 
 def main(argv: list[str]) -> int:
@@ -79,36 +77,38 @@ def _run_target(
     print(f"{target}:", flush=True)
     with running_server(bundle_command(port), port, out / f"{target}.log", env) as pid:
         url = f"http://127.0.0.1:{port}"
-        meters = Meters(serving_cpu=functools.partial(process_cpu_s, pid))
-        return asyncio.run(_levels(url, workload, levels, args.rounds, args.repeat, meters))
+        meters = Meters(serving_cpu=functools.partial(process_cpu_s, pid), per_token=store_counters(url))
+        try:
+            return asyncio.run(
+                bench_http(
+                    url,
+                    workload,
+                    levels,
+                    args.rounds,
+                    clients=args.clients,
+                    repeat=args.repeat,
+                    meters=meters,
+                    request_ids=True,
+                )
+            )
+        finally:
+            # What the counters were read from, kept beside the results (the H200 run of
+            # 2026-11-30 came back without them and nothing said why).
+            with contextlib.suppress(httpx.HTTPError):
+                (out / f"{target}-metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
-async def _levels(
-    url: str, workload: Workload, levels: list[int], rounds: int, repeat: int, meters: Meters
-) -> list[dict[str, Any]]:
-    async with load_client(url, max(levels)) as client:
-        one = http_requester(client, workload, request_ids=True)
-        await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
+def store_counters(url: str) -> Callable[[], dict[str, float]]:
+    """The store's round trips and commands so far, from the server's /metrics."""
 
-        async def counted(prompts: list[list[int]], level: int) -> dict[str, Any]:
-            before = await _counters(client)
-            result = await run_level(one, prompts, level)
-            after = await _counters(client)
-            tokens = after["tokens"] - before["tokens"]
-            for name in ("round_trips", "commands"):
-                result[f"store_{name}_per_token"] = (after[name] - before[name]) / tokens if tokens else None
-            return result
+    def read() -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return {
+            "store_round_trips": _sum(text, "bundle_store_round_trips_total"),
+            "store_commands": _sum(text, "bundle_store_commands_total"),
+        }
 
-        return await run_levels(counted, workload, levels, rounds, repeat, meters)
-
-
-async def _counters(client: httpx.AsyncClient) -> dict[str, float]:
-    text = (await client.get("/metrics")).text
-    return {
-        "tokens": _sum(text, "bundle_generation_tokens_total"),
-        "round_trips": _sum(text, "bundle_store_round_trips_total"),
-        "commands": _sum(text, "bundle_store_commands_total"),
-    }
+    return read
 
 
 def _sum(text: str, name: str) -> float:
@@ -191,6 +191,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per level; the median run is kept")
+    parser.add_argument(
+        "--clients", type=int, default=1, help="client processes (one Python client saturates near 6k tok/s)"
+    )
     parser.add_argument("--redis-url", help="use this server instead of starting a valkey-server")
     parser.add_argument("--machine", default="", help="how to name the machine in the report")
     parser.add_argument("--out", default="bench/results/redis")

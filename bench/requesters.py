@@ -50,8 +50,8 @@ def http_requester(
         try:
             async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 if r.status_code != 200:
-                    await r.aread()
-                    return Sample(ok=False)
+                    answer = await r.aread()
+                    return Sample(ok=False, error=f"HTTP {r.status_code}: {answer[:160]!r}")
                 buffer = b""
                 async for piece in r.aiter_raw():
                     now = time.perf_counter()
@@ -64,8 +64,8 @@ def http_requester(
                     # one read arrive together, whatever the number of events.
                     if carried_text:
                         arrivals.append(now - started)
-        except httpx.HTTPError:
-            return Sample(ok=False)
+        except httpx.HTTPError as exc:
+            return Sample(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
         sample = _sample(arrivals, time.perf_counter() - started, usage.get("completion_tokens", 0))
         sample.prompt_tokens = usage.get("prompt_tokens", len(prompt))
         # vLLM's server reports it with --enable-prompt-tokens-details; the bundle does not.
@@ -88,7 +88,7 @@ def _read_event(event: bytes, usage: dict[str, Any]) -> bool:
 
 def _sample(arrivals: list[float], total: float, tokens: int) -> Sample:
     if not arrivals:
-        return Sample(ok=False, total_s=total)
+        return Sample(ok=False, total_s=total, error="the stream carried no text")
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return Sample(True, arrivals[0], total, tokens or len(arrivals), gaps)
 
@@ -118,8 +118,8 @@ def engine_requester(llm: Any, workload: Workload) -> Requester:
                     arrivals.append(time.perf_counter() - started)
                     tokens += new
                 cached = output.num_cached_tokens if cached is None else cached
-        except Exception:
-            return Sample(ok=False)
+        except Exception as exc:
+            return Sample(ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
         sample = _sample(arrivals, time.perf_counter() - started, tokens)
         sample.prompt_tokens, sample.cached_tokens = len(prompt), cached or 0
         return sample

@@ -56,9 +56,11 @@ async def bench_http(
     clients: int = 1,
     repeat: int = 1,
     meters: Meters = NO_METERS,
+    request_ids: bool = False,
 ) -> list[dict]:
+    """`request_ids`: every request carries its own X-Request-Id (identity's cost included)."""
     async with load_client(url, max(levels)) as client:
-        one = http_requester(client, workload, api_key)
+        one = http_requester(client, workload, api_key, request_ids=request_ids)
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         if clients <= 1:
             in_process = functools.partial(run_level, one)
@@ -67,6 +69,8 @@ async def bench_http(
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
 
         async def in_processes(prompts: list[list[int]], level: int) -> dict[str, Any]:
-            return run_level_in_processes(pool, url, workload, prompts, level, clients, api_key)
+            return run_level_in_processes(
+                pool, url, workload, prompts, level, clients, api_key, request_ids=request_ids
+            )
 
         return await run_levels(in_processes, workload, levels, rounds, repeat, meters)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench.__main__ import main as bench_main
 from bench.levels import Meters, run_levels
+from bench.loadgen import Sample, summarise
 from bench.report import markdown_table
 from bench.servers import logged_batch_tokens, process_cpu_s
 from bench.workload import Workload
@@ -112,6 +113,24 @@ def test_prefix_cache_meter_reports_each_runs_own_counts() -> None:
     assert level["runs_prefix_cache_hit_rate"] == [0.0, 0.25]
 
 
+def test_per_token_meter_divides_each_runs_own_counter_growth_by_its_tokens() -> None:
+    readings = iter([{"store_round_trips": 10.0}, {"store_round_trips": 30.0}])
+
+    async def runner(prompts: list[list[int]], level: int) -> dict:
+        return {**_level(level), "output_tokens": 40, "errors": 0}
+
+    meters = Meters(per_token=lambda: next(readings))
+    [level] = asyncio.run(run_levels(runner, Workload(), [1], rounds=1, repeat=1, meters=meters))
+    assert level["store_round_trips_per_token"] == 0.5
+
+
+def test_failed_requests_are_counted_with_their_reason() -> None:
+    samples = [Sample(ok=False, error="HTTP 503: b'x'")] * 2 + [Sample(ok=False), Sample(True, 0.1, 0.2, 3)]
+    summary = summarise(1, samples, 1.0)
+    assert summary["errors"] == 3
+    assert summary["error_kinds"] == {"HTTP 503: b'x'": 2, "unknown": 1}
+
+
 def test_startup_subcommand_hands_the_rest_of_the_line_to_its_main(monkeypatch) -> None:
     seen: list[list[str]] = []
     module = types.ModuleType("bench.startup")
@@ -125,3 +144,23 @@ def test_startup_subcommand_without_its_module_says_so_and_exits_2(monkeypatch, 
     monkeypatch.setitem(sys.modules, "bench.startup", None)  # as if bench/startup.py were absent
     assert bench_main(["startup"]) == 2
     assert "bench/startup.py" in capsys.readouterr().err
+
+
+def test_importtime_summary_ranks_packages_and_modules_by_their_own_time() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import importtime_summary
+    finally:
+        sys.path.pop(0)
+    text = (
+        "import time: self [us] | cumulative | imported package\n"
+        "import time:       100 |        100 |     torch._C\n"
+        "import time:      2000 |       2100 |   torch\n"
+        "import time:       500 |        500 | vllm.config\n"
+        "import time:       300 |       2900 | vllm\n"
+    )
+    rows = importtime_summary.parse(text)
+    assert rows[1] == (2000, 2100, 1, "torch")
+    report = importtime_summary.summary(rows, top=2)
+    assert "4 modules, 0.00 s" in report
+    assert report.index("torch") < report.index("vllm")  # 2.1 ms own against 0.8 ms
