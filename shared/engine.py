@@ -221,7 +221,9 @@ class VLLMEngine:
         return not self._llm.errored
 
     def running_requests(self) -> int:
-        return int(self._llm.get_num_unfinished_requests())
+        # The output processor's count: AsyncLLM itself has `get_num_unfinished_requests` only in
+        # newer releases (0.26.0, the H200 build, lacks it and /metrics answered 500 there).
+        return int(self._llm.output_processor.get_num_unfinished_requests())
 
     def ready(self) -> bool:
         return self.healthy() and not self._sleeper.asleep

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
 
 # Buckets cover a CPU test box (tens of ms) up to a cold, queued GPU (tens of seconds).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -88,7 +92,17 @@ class Metrics:
 
     def watch_engine(self, running_requests: Callable[[], int]) -> None:
         """Read the engine's own count at scrape time, so the gauge is never stale."""
-        self.engine_running_requests.set_function(lambda: float(running_requests()))
+
+        def read() -> float:
+            # A failing reading must not take every other metric down with it (an engine
+            # release without the method made the whole of /metrics answer 500): NaN, logged.
+            try:
+                return float(running_requests())
+            except Exception:
+                log.exception("reading the engine's running-request count failed")
+                return math.nan
+
+        self.engine_running_requests.set_function(read)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -306,3 +306,17 @@ def test_completion_chunks_and_whole_responses() -> None:
     assert body["choices"][0]["text"] == "xyz" and body["usage"]["total_tokens"] == 4
     chat_body = ChunkEncoder("chat", "c", "tiny").response("hey", "length", Usage(1, 1))
     assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
+
+
+def test_a_failing_engine_gauge_reads_nan_and_the_other_metrics_still_export() -> None:
+    from shared.metrics import Metrics
+
+    def broken() -> int:
+        raise AttributeError("'AsyncLLM' object has no attribute 'get_num_unfinished_requests'")
+
+    metrics = Metrics()
+    metrics.watch_engine(broken)
+    metrics.generation_tokens.inc(3)
+    text = metrics.exposition().decode()
+    assert "bundle_engine_running_requests NaN" in text
+    assert "bundle_generation_tokens_total 3.0" in text
