@@ -90,8 +90,7 @@ def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
     )  # max_num_seqs, and half of it
     assert set(info.volumes) == {module.HF_CACHE_DIR, module.VLLM_CACHE_DIR}
     # Every compile cache a start reads lies on the cache volume, the layout whose start-up the
-    # benchmark's warm path measures: vLLM's own, inductor's and Triton's (a container without
-    # Triton's spent ~18 s recompiling kernels on the H200).
+    # benchmark's warm path measures: vLLM's own, inductor's and Triton's.
     for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert module.CONTAINER_ENV[name].startswith(module.VLLM_CACHE_DIR), name
     assert {k: module.CONTAINER_ENV[k] for k in cache_env(Path("/x"))} == {
