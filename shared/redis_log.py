@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from shared.store import (
     CHECK_EVERY_S,
     PRODUCER_LOST_BOUND_S,
     RUNNING,
+    AppendBatch,
     Claim,
     IdentityStore,
     claim_key,
@@ -93,7 +93,7 @@ class StreamWriter:
             events, self._events = self._events, []
             finals, self._finals = self._finals, []
             try:
-                await self._store.write(functools.partial(self._fill, events=events, finals=finals))
+                await self._store.append(self._batch(events, finals))
             except StoreUnavailable:
                 # Counted in /metrics; logged once per outage. Followers see the gap in sequence
                 # numbers and say so; the owner's own readers are unaffected.
@@ -103,25 +103,21 @@ class StreamWriter:
             else:
                 self._failing = False
 
-    def _fill(self, pipe: Any, *, events: Events, finals: Finals) -> int:
-        commands = 0
+    def _batch(self, events: Events, finals: Finals) -> AppendBatch:
+        """The flush as APPEND_SCRIPT's keys and arguments (see shared/store.py)."""
+        batch = AppendBatch(args=[self._max_events, self._running_ttl_ms, self._retention_ms, len(events)])
         for request_id, sequence, data in events:
-            key = events_key(request_id)
-            pipe.xadd(key, {DATA: data}, id=f"{sequence}-0", maxlen=self._max_events, approximate=True)
-            commands += 1
-            if request_id not in self._new_streams:
-                self._new_streams.add(request_id)
-                pipe.pexpire(key, self._running_ttl_ms)
-                commands += 1
+            new = request_id not in self._new_streams
+            self._new_streams.add(request_id)
+            batch.keys.append(events_key(request_id))
+            batch.args += [sequence, data, 1 if new else 0]
+            batch.commands += 2 if new else 1
         for request_id, claim, body in finals:
-            key = events_key(request_id)
-            if body is not None:
-                pipe.xadd(key, {BODY: body}, id="1-0")
-            pipe.pexpire(key, self._retention_ms)
-            pipe.set(claim_key(request_id), claim.encode(), px=self._retention_ms)
+            batch.keys += [events_key(request_id), claim_key(request_id)]
+            batch.args += [body or b"", claim.encode()]
             self._new_streams.discard(request_id)
-            commands += 3 if body is not None else 2
-        return commands
+            batch.commands += 3 if body is not None else 2
+        return batch
 
 
 class SharedLog:

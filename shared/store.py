@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import StoreUnavailable
 from shared.metrics import Metrics
@@ -109,6 +110,39 @@ def cancel_channel(replica_id: str) -> str:
     return f"{PREFIX}cancel:{replica_id}"
 
 
+# The owner's writes of one flush, as one script call. KEYS: the stream of each event, then
+# (stream, claim) per finished generation. ARGV: max events per stream, the running and the
+# retention TTLs (ms), the number of events, then per event its sequence, data and whether
+# its stream is new (1: set the running TTL), then per end its answer ("" for a stream) and
+# final claim. In order, so a generation's end is written after its events.
+APPEND_SCRIPT = """
+local max_events, running_ttl, retention = ARGV[1], ARGV[2], ARGV[3]
+local events = tonumber(ARGV[4])
+local a = 5
+for i = 1, events do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', max_events, ARGV[a] .. '-0', 'd', ARGV[a + 1])
+  if ARGV[a + 2] == '1' then redis.call('PEXPIRE', KEYS[i], running_ttl) end
+  a = a + 3
+end
+for k = events + 1, #KEYS, 2 do
+  if ARGV[a] ~= '' then redis.call('XADD', KEYS[k], '1-0', 'b', ARGV[a]) end
+  redis.call('PEXPIRE', KEYS[k], retention)
+  redis.call('SET', KEYS[k + 1], ARGV[a + 1], 'PX', retention)
+  a = a + 2
+end
+return events
+"""
+
+
+@dataclass
+class AppendBatch:
+    """One flush's keys and arguments for APPEND_SCRIPT, and the commands it stands for."""
+
+    keys: list[str] = field(default_factory=list)
+    args: list[bytes | str | int] = field(default_factory=list)
+    commands: int = 0
+
+
 class IdentityStore:
     def __init__(self, url: str, replica_id: str, metrics: Metrics) -> None:
         self.replica_id = replica_id
@@ -122,6 +156,7 @@ class IdentityStore:
             socket_timeout=SOCKET_TIMEOUT_S,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._append_sha = hashlib.sha1(APPEND_SCRIPT.encode()).hexdigest()  # what the server names it
 
     # --- accounting ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -195,12 +230,19 @@ class IdentityStore:
         return max(remaining_ms, 0) / 1000
 
     # --- writes (the owner) ---------------------------------------------------------------------
-    async def write(self, fill: Callable[[Any], int]) -> None:
-        """One pipeline: `fill(pipe)` queues the commands and returns how many."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            commands = fill(pipe)
-            async with self._trip("write", commands):
-                await pipe.execute()
+    async def append(self, batch: AppendBatch) -> None:
+        """One round trip, one command: every event and end of a flush, appended by a script.
+
+        One XADD per event in a pipeline cost the API process ~28 us of CPU per event at 256
+        streams (redis-py builds and parses each command in Python); the script's arguments cost
+        ~5 us (measured against valkey on the 2-core box), and at 256 streams an event carries
+        one token."""
+        async with self._trip("write", batch.commands):
+            try:
+                await self.client.evalsha(self._append_sha, len(batch.keys), *batch.keys, *batch.args)
+            except NoScriptError:  # a new or restarted server: load it once, then again by hash
+                self._append_sha = await self.client.script_load(APPEND_SCRIPT)
+                await self.client.evalsha(self._append_sha, len(batch.keys), *batch.keys, *batch.args)
 
     # --- cancel -------------------------------------------------------------------------------
     async def publish_cancel(self, owner: str, request_id: str) -> None:
