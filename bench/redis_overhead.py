@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     levels = [int(level) for level in args.levels.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with _store(args.redis_url, out) as redis_url:
+    with local_store(args.redis_url, out) as redis_url:
         results = {
             target: _run_target(
                 target, redis_url if target == "bundle+redis" else None, workload, levels, args, out
@@ -141,14 +141,16 @@ def _figure(value: float | None, digits: int) -> str:
 
 # --- the store ------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _store(url: str | None, out: Path) -> Iterator[str]:
-    """The given Redis, or a valkey-server started here for the run (persistence off)."""
+def local_store(url: str | None, log_dir: Path | None = None) -> Iterator[str]:
+    """The given Redis, or a valkey-server started here for the run (persistence off), its
+    output in `log_dir`/valkey.log when given."""
     if url:
         yield url
         return
     port = free_port()
     command = [_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    with (out / "valkey.log").open("wb") as log:
+    with contextlib.ExitStack() as files:
+        log = files.enter_context((log_dir / "valkey.log").open("wb")) if log_dir else subprocess.DEVNULL
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_port(port, process)

@@ -233,10 +233,10 @@ class IdentityStore:
     async def append(self, batch: AppendBatch) -> None:
         """One round trip, one command: every event and end of a flush, appended by a script.
 
-        One XADD per event in a pipeline cost the API process ~28 us of CPU per event at 256
-        streams (redis-py builds and parses each command in Python); the script's arguments cost
-        ~5 us (measured against valkey on the 2-core box), and at 256 streams an event carries
-        one token."""
+        One XADD per event in a pipeline costs the API process ~28 us of CPU per event at 256
+        streams (redis-py builds and parses each command in Python), the script ~7 us
+        (`python -m bench.store_writes` against valkey on the 2-core box); at 256 streams an
+        event carries one token."""
         async with self._trip("write", batch.commands):
             try:
                 await self.client.evalsha(self._append_sha, len(batch.keys), *batch.keys, *batch.args)
