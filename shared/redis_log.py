@@ -6,7 +6,8 @@
 - `SharedLog` is the owner's `EventLog`: its own readers keep following the in-memory buffer;
   each event is also queued for the shared stream with its sequence number.
 - `RemoteSubscription` is a reader on another replica (or on the owner after it let the result go
-  from memory): it re-frames the stored data with `sse_event`, so its bytes equal the owner's.
+  from memory): it re-frames the stored data with `sse_event`, so its bytes equal the owner's
+  (only streams with an X-Request-Id are shared, and those are always numbered).
 """
 
 from __future__ import annotations

@@ -124,7 +124,9 @@ class Replicas:
         request_id = entry.request_id
         assert request_id is not None and entry.fingerprint is not None and entry.task is not None
         output = entry.output
-        assert isinstance(output.events, ReplayBuffer)
+        # Followers re-frame the stored data with ids (RemoteSubscription): the owner's bytes
+        # equal theirs only because a stream with an id is always numbered here too.
+        assert isinstance(output.events, ReplayBuffer) and output.events.numbered
         output.events = SharedLog(output.events, self.writer, request_id)
         claim = Claim(entry.fingerprint, self.replica_id, output.stream)
 

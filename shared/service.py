@@ -192,7 +192,9 @@ class Service:
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
-            events=ReplayBuffer(self.settings.max_events_per_request),
+            # Only a request with an id can come back for its events (Last-Event-ID); the one
+            # place that decides whether a stream's events carry `id:` lines.
+            events=ReplayBuffer(self.settings.max_events_per_request, numbered=request_id is not None),
             stream=body.stream,
             include_usage=body.include_usage,
             choices=self._choices(kind, body),

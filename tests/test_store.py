@@ -75,7 +75,7 @@ async def test_many_streams_cost_few_round_trips_and_followers_get_the_owners_by
     owner = await live_store(redis_server, "owner-batch")
     writer = StreamWriter(owner, max_events=1000, retention_s=60, running_ttl_s=60)
     streams, steps = 200, 10
-    local = {f"batch-{i}": ReplayBuffer(1000) for i in range(streams)}
+    local = {f"batch-{i}": ReplayBuffer(1000, numbered=True) for i in range(streams)}
     for step in range(steps + 1):
         for request_id, buffer in local.items():
             data = DONE_DATA if step == steps else orjson.dumps({"token": step, "of": request_id})
