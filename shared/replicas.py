@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import orjson
@@ -65,6 +66,8 @@ class Replicas:
         stream: bool,
         last_event_id: int | None,
         here: Callable[[], Subscription],
+        *,
+        numbered: bool,
     ) -> Opened:
         """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
         while (pending := self._claiming.get(request_id)) is not None:
@@ -74,7 +77,7 @@ class Replicas:
         done = asyncio.get_running_loop().create_future()
         self._claiming[request_id] = done
         try:
-            mine = Claim(fingerprint, self.replica_id, stream)
+            mine = Claim(fingerprint, self.replica_id, stream, numbered=numbered)
             return await self._claim_or_follow(request_id, mine, last_event_id, here)
         finally:
             del self._claiming[request_id]
@@ -124,11 +127,11 @@ class Replicas:
         request_id = entry.request_id
         assert request_id is not None and entry.fingerprint is not None and entry.task is not None
         output = entry.output
-        # Followers re-frame the stored data with ids (RemoteSubscription): the owner's bytes
-        # equal theirs only because a stream with an id is always numbered here too.
-        assert isinstance(output.events, ReplayBuffer) and output.events.numbered
+        # Followers re-frame the stored data (RemoteSubscription) as the claim says: with ids
+        # exactly when the creator's own buffer numbers its events, so every reader's bytes match.
+        assert isinstance(output.events, ReplayBuffer)
+        claim = Claim(entry.fingerprint, self.replica_id, output.stream, numbered=output.events.numbered)
         output.events = SharedLog(output.events, self.writer, request_id)
-        claim = Claim(entry.fingerprint, self.replica_id, output.stream)
 
         def finished(_: asyncio.Task[None]) -> None:
             body = None
@@ -139,7 +142,7 @@ class Replicas:
                     body = orjson.dumps({"status": 200, "body": output.response()})
                 except BundleError as error:
                     body = orjson.dumps({"status": error.status_code, "body": error.to_openai()})
-            ended = Claim(claim.fingerprint, claim.owner, claim.stream, final_status(entry))
+            ended = replace(claim, state=final_status(entry))
             self.writer.finish(request_id, ended, body)
 
         entry.task.add_done_callback(finished)

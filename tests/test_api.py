@@ -107,7 +107,8 @@ def test_stop_sequence_is_honoured(sdk: openai.OpenAI) -> None:
 
 
 def test_event_ids_increase_by_one(http: httpx.Client) -> None:
-    headers = {"X-Request-Id": f"ids-{uuid.uuid4().hex}"}  # only a resumable stream is numbered
+    # Only a resumable stream read as SSE proper is numbered.
+    headers = {"X-Request-Id": f"ids-{uuid.uuid4().hex}", "Accept": "text/event-stream"}
     raw = http.post("/v1/chat/completions", json=long_chat(max_tokens=20), headers=headers).content
     events = sse_events(raw)
     assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
@@ -158,6 +159,33 @@ def test_an_anonymous_stream_has_no_ids_and_reads_as_vllm_bench_reads_it(
     assert len(tokens) == 1  # the last token chunk carries the finish reason
     if "stream_options" in body:
         assert parsed[-2]["usage"]["completion_tokens"] == 20
+
+
+@pytest.mark.parametrize(
+    "accept,numbered",
+    [
+        ("*/*", False),  # vLLM's bench client: it sends an X-Request-Id on every request
+        ("application/json", False),  # the openai SDK
+        ("text/*, */*;q=0.1", False),  # wildcards do not name SSE
+        ("application/json, Text/Event-Stream;q=0.5", True),  # named: any case, any parameters
+    ],
+)
+def test_an_identified_stream_is_numbered_only_when_sse_is_asked_for(
+    http: httpx.Client, accept: str, numbered: bool
+) -> None:
+    headers = {"X-Request-Id": f"accept-{uuid.uuid4().hex}", "Accept": accept}
+    body = long_chat(max_tokens=12)
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        pieces = list(response.iter_raw())
+    events = sse_events(b"".join(pieces))
+    assert events[-1][1] == b"[DONE]"
+    if numbered:
+        assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
+    else:
+        assert all(event_id is None for event_id, _ in events)
+        parsed = read_as_vllm_bench(pieces)
+        assert len(parsed) == len(events) and parsed[-1] == "[DONE]"
 
 
 def test_models_and_health(http: httpx.Client) -> None:
