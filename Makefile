@@ -45,18 +45,17 @@ bench-prefix: $(STAMP)
 
 # vLLM's own client (`vllm bench serve`, through bench/vllm_client.py) against a running
 # `make serve`, both OpenAI backends; fails when any request failed. Results (JSON) go to
-# VLLM_BENCH_OUT. VLLM_BENCH_FLAGS=--drop-request-ids: see bench/vllm_client.py.
+# VLLM_BENCH_OUT.
 VLLM_BENCH_PROMPTS ?= 200
-VLLM_BENCH_FLAGS ?=
 VLLM_BENCH_OUT ?= bench/results/vllm-bench-serve
 vllm-bench: $(STAMP)
 	tokenizer=$$($(PY) -c "from shared.engine import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
 	for pair in openai-chat:/v1/chat/completions openai:/v1/completions; do \
-	  $(PY) bench/vllm_client.py $(VLLM_BENCH_FLAGS) --backend $${pair%%:*} --endpoint $${pair#*:} \
+	  $(PY) bench/vllm_client.py --backend $${pair%%:*} --endpoint $${pair#*:} \
 	    --base-url http://$(HOST):$(PORT) --model tiny --tokenizer $$tokenizer \
 	    --dataset-name random --random-input-len 64 --random-output-len 64 \
 	    --num-prompts $(VLLM_BENCH_PROMPTS) --max-concurrency 32 \
-	    --save-result --result-dir $(VLLM_BENCH_OUT) --result-filename $${pair%%:*}$(if $(VLLM_BENCH_FLAGS),-no-ids).json \
+	    --save-result --result-dir $(VLLM_BENCH_OUT) --result-filename $${pair%%:*}.json \
 	    || exit 1; \
 	done
 
