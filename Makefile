@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test soak bench bench-prefix bench-capacity cog-schema lint clean
+.PHONY: install serve test soak bench bench-prefix bench-capacity vllm-bench cog-schema lint clean
 
 install: $(STAMP)
 
@@ -42,6 +42,22 @@ bench: $(STAMP)
 bench-prefix: $(STAMP)
 	$(PY) -m bench suite --out bench/results/prefix --targets bundle --prefix-caching on,off \
 	  --shared-prefix-tokens 512 --prompt-tokens 32 --levels 1,8,32 --capacity 0
+
+# vLLM's own client (`vllm bench serve`, through bench/vllm_client.py) against a running
+# `make serve`, both OpenAI backends; fails when any request failed. Results (JSON) go to
+# VLLM_BENCH_OUT.
+VLLM_BENCH_PROMPTS ?= 200
+VLLM_BENCH_OUT ?= bench/results/vllm-bench-serve
+vllm-bench: $(STAMP)
+	tokenizer=$$($(PY) -c "from shared.engine import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
+	for pair in openai-chat:/v1/chat/completions openai:/v1/completions; do \
+	  $(PY) bench/vllm_client.py --backend $${pair%%:*} --endpoint $${pair#*:} \
+	    --base-url http://$(HOST):$(PORT) --model tiny --tokenizer $$tokenizer \
+	    --dataset-name random --random-input-len 64 --random-output-len 64 \
+	    --num-prompts $(VLLM_BENCH_PROMPTS) --max-concurrency 32 \
+	    --save-result --result-dir $(VLLM_BENCH_OUT) --result-filename $${pair%%:*}.json \
+	    || exit 1; \
+	done
 
 cog-schema: $(STAMP)
 	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json

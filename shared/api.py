@@ -25,7 +25,13 @@ from shared.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from shared.headers import HeaderGuard, bearer_token_matches, parse_last_event_id, parse_request_id
+from shared.headers import (
+    HeaderGuard,
+    accepts_event_stream,
+    bearer_token_matches,
+    parse_last_event_id,
+    parse_request_id,
+)
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
@@ -185,7 +191,10 @@ async def _read_json(request: Request, settings: Settings) -> Any:
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
     service = _service(request)
     request_id = parse_request_id(request.headers.get("x-request-id"))
-    subscription = await service.open_shared(kind, body, request_id, _last_event_id(request))
+    # SSE `id:` lines only for a client that asked for SSE proper (shared/headers.py says why).
+    event_ids = accepts_event_stream(request.headers.get("accept"))
+    last_event_id = _last_event_id(request)
+    subscription = await service.open_shared(kind, body, request_id, last_event_id, event_ids=event_ids)
     try:
         await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
     except BaseException:

@@ -3,8 +3,9 @@
 It speaks three event-stream dialects, so one client consumes every way this bundle is served:
 - OpenAI-compatible SSE (this bundle on Modal or locally, or any other server): `data: {chunk}`
   events ending in `data: [DONE]`. When the server numbers its events (`id:` lines, as this
-  bundle does), a dropped stream is resumed with the same `X-Request-Id` and `Last-Event-ID`,
-  and each delta is yielded exactly once. Servers without ids cannot be resumed; the client
+  bundle does for every request with an `X-Request-Id`, which this client always sends), a
+  dropped stream is resumed with the same `X-Request-Id` and `Last-Event-ID`, and each delta
+  is yielded exactly once. Servers without ids cannot be resumed; the client
   then says so with `ResumeUnsupported` instead of silently restarting the generation.
 - Cog's local server (coglet): events `start`, `output {"chunk", "index"}`, `log`, `completed`.
 - Replicate's hosted stream: events `output` (plain text), `error`, `done`.

@@ -52,6 +52,16 @@ def parse_last_event_id(raw: str | None) -> int | None:
     return int(raw)
 
 
+def accepts_event_stream(raw: str | None) -> bool:
+    """Whether an Accept header names `text/event-stream` itself: a comma-separated list of media
+    ranges, compared without case, parameters (q included) ignored. Wildcards (`*/*`, `text/*`)
+    do not count: a client that names no SSE type may read one `data:` line per event (OpenAI's
+    framing), and an `id:` line would break it."""
+    if not raw:
+        return False
+    return any(part.partition(";")[0].strip().lower() == "text/event-stream" for part in raw.split(","))
+
+
 def bearer_token_matches(value: bytes, api_key: bytes) -> bool:
     """`Authorization: Bearer <key>`, the scheme in any case (RFC 9110 makes it case-insensitive),
     the key compared in constant time."""

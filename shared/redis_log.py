@@ -6,7 +6,8 @@
 - `SharedLog` is the owner's `EventLog`: its own readers keep following the in-memory buffer;
   each event is also queued for the shared stream with its sequence number.
 - `RemoteSubscription` is a reader on another replica (or on the owner after it let the result go
-  from memory): it re-frames the stored data with `sse_event`, so its bytes equal the owner's.
+  from memory): it re-frames the stored data as the claim says (`sse_event` when the creator's
+  stream is numbered, `sse_data` otherwise), so its bytes equal the owner's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from shared.store import (
     claim_key,
     events_key,
 )
-from shared.streaming import DONE_DATA, error_frames, sse_event
+from shared.streaming import DONE_DATA, error_frames, sse_data, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,11 @@ class SharedLog:
         self._request_id = request_id
 
     @property
+    def numbered(self) -> bool:
+        """Whether the events carry `id:` lines (the creator's framing, which followers copy)."""
+        return self._local.numbered
+
+    @property
     def closed(self) -> bool:
         return self._local.closed
 
@@ -164,6 +170,7 @@ class RemoteSubscription:
         self._request_id = request_id
         self._owner = claim.owner
         self._stream = claim.stream
+        self._numbered = claim.numbered
         self._after = after
         self._metrics = metrics
 
@@ -198,7 +205,8 @@ class RemoteSubscription:
                         yield error_frames(EventsGone(f"events after {cursor} are no longer held"))
                         return
                     cursor = sequence
-                    frames.append(sse_event(sequence, fields[DATA]))
+                    data = fields[DATA]
+                    frames.append(sse_event(sequence, data) if self._numbered else sse_data(data))
                     if fields[DATA] == DONE_DATA:
                         yield b"".join(frames)
                         return

@@ -1,5 +1,10 @@
 """The replay buffer: one stream's SSE events, numbered from 1, held for any number of readers.
 
+Every event has a sequence number (a reader's cursor); only a stream that can be resumed (its
+request has an X-Request-Id) puts it on the wire as an `id:` line. An anonymous stream is
+aborted when its reader leaves, so nobody could ever send its ids back: it is framed as plain
+`data:` events, as OpenAI's are.
+
 A generation's producer appends events; every client follows the buffer from an event id, so
 attaching a duplicate, resuming after a dropped connection and replaying a finished result are
 the same operation. A reader that falls behind receives its backlog in one write, which
@@ -16,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from shared.errors import EventsGone, InvalidRequest
-from shared.streaming import error_frames, sse_event
+from shared.streaming import error_frames, sse_data, sse_event
 
 
 class EventLog(Protocol):
@@ -64,8 +69,9 @@ class Notifier:
 class ReplayBuffer:
     """`EventLog` in this process's memory, bounded to `max_events` (oldest dropped first)."""
 
-    def __init__(self, max_events: int) -> None:
+    def __init__(self, max_events: int, *, numbered: bool) -> None:
         self.max_events = max_events
+        self.numbered = numbered  # `id:` lines on the wire: only for a stream that can be resumed
         self.events: list[bytes] = []
         self.first_sequence = 1  # sequence number of events[0]; grows as old events are dropped
         self.next_sequence = 1
@@ -74,7 +80,7 @@ class ReplayBuffer:
 
     # --- the writer -----------------------------------------------------------------------------
     def append(self, data: bytes) -> None:
-        self.events.append(sse_event(self.next_sequence, data))
+        self.events.append(sse_event(self.next_sequence, data) if self.numbered else sse_data(data))
         self.next_sequence += 1
         overflow = len(self.events) - self.max_events
         if overflow > 0:

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import orjson
@@ -69,6 +70,8 @@ class Replicas:
         stream: bool,
         last_event_id: int | None,
         here: Callable[[], Subscription],
+        *,
+        numbered: bool,
     ) -> Opened:
         """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
         while (pending := self._claiming.get(request_id)) is not None:
@@ -78,7 +81,7 @@ class Replicas:
         done = asyncio.get_running_loop().create_future()
         self._claiming[request_id] = done
         try:
-            mine = Claim(fingerprint, self.replica_id, stream)
+            mine = Claim(fingerprint, self.replica_id, stream, numbered=numbered)
             return await self._claim_or_follow(request_id, mine, last_event_id, here)
         finally:
             del self._claiming[request_id]
@@ -135,7 +138,10 @@ class Replicas:
         request_id = entry.request_id
         assert request_id is not None and entry.fingerprint is not None and entry.task is not None
         output = entry.output
-        claim = Claim(entry.fingerprint, self.replica_id, output.stream)
+        # Followers re-frame the stored data (RemoteSubscription) as the claim says: with ids
+        # exactly when the creator's own buffer numbers its events, so every reader's bytes match.
+        assert isinstance(output.events, SharedLog)  # mirrored before the task started
+        claim = Claim(entry.fingerprint, self.replica_id, output.stream, numbered=output.events.numbered)
 
         def finished(_: asyncio.Task[None]) -> None:
             body = None
@@ -146,7 +152,7 @@ class Replicas:
                     body = orjson.dumps({"status": 200, "body": output.response()})
                 except BundleError as error:
                     body = orjson.dumps({"status": error.status_code, "body": error.to_openai()})
-            ended = Claim(claim.fingerprint, claim.owner, claim.stream, final_status(entry))
+            ended = replace(claim, state=final_status(entry))
             self.writer.finish(request_id, ended, body)
 
         entry.task.add_done_callback(finished)

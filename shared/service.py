@@ -90,9 +90,14 @@ class Service:
         body: OpenAIRequest,
         request_id: str | None = None,
         last_event_id: int | None = None,
+        *,
+        event_ids: bool = False,
     ) -> Subscription:
         """Subscribe to the generation this request names: an existing one (same id and body:
         attach, resume after `last_event_id`, or replay) or a new one, validated and started.
+
+        `event_ids`: the client asked for SSE proper (Accept: text/event-stream). Only the request
+        that starts a generation decides; readers that attach later get the same bytes.
 
         Runs without awaiting on purpose: between the lookup and the start nothing else can
         run, so two simultaneous requests with one id can never start two generations.
@@ -101,7 +106,8 @@ class Service:
         """
         if last_event_id is not None and request_id is None:
             raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
-        entry = self._existing_or_new(kind, body, request_id, resume=last_event_id is not None)
+        resume = last_event_id is not None
+        entry = self._existing_or_new(kind, body, request_id, resume=resume, event_ids=event_ids)
         after = last_event_id or 0
         if entry.output.stream:
             entry.output.events.check_resumable(after)
@@ -113,19 +119,22 @@ class Service:
         body: OpenAIRequest,
         request_id: str | None = None,
         last_event_id: int | None = None,
+        *,
+        event_ids: bool = False,
     ) -> Subscription | Opened:
         """`open` across replicas: with a shared store (BUNDLE_REDIS_URL), a request with an id
         that another replica claimed follows that replica's generation (shared/replicas.py).
         Without a store, or without an id, it is `open`."""
         if self.replicas is None or request_id is None:
-            return self.open(kind, body, request_id, last_event_id)
+            return self.open(kind, body, request_id, last_event_id, event_ids=event_ids)
         self._check_model(body.model)
         return await self.replicas.open(
             request_id,
             _fingerprint(kind, body),
             body.stream,
             last_event_id,
-            here=lambda: self.open(kind, body, request_id, last_event_id),
+            here=lambda: self.open(kind, body, request_id, last_event_id, event_ids=event_ids),
+            numbered=event_ids,
         )
 
     async def cancel(self, request_id: str) -> CancelOutcome:
@@ -160,7 +169,7 @@ class Service:
 
     # --- admission ------------------------------------------------------------------------------
     def _existing_or_new(
-        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool
+        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool, event_ids: bool
     ) -> Entry:
         self._check_model(body.model)
         fingerprint = None
@@ -176,9 +185,19 @@ class Service:
                 f"no stream with X-Request-Id {request_id!r} is held any more; "
                 "start a new request with a new id"
             )
-        return self._start(kind, body, request_id, fingerprint)
+        # Numbered only when the client can come back (an id) and reads SSE proper (asked for
+        # text/event-stream): OpenAI's own clients and vLLM's bench read one `data:` line per event.
+        return self._start(kind, body, request_id, fingerprint, numbered=request_id is not None and event_ids)
 
-    def _start(self, kind: Kind, body: OpenAIRequest, request_id: str | None, fingerprint: str | None) -> Entry:
+    def _start(
+        self,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None,
+        fingerprint: str | None,
+        *,
+        numbered: bool,
+    ) -> Entry:
         """Register and start a generation. A short prompt is rendered and checked right here
         (cheaper than any hop, and a 4xx is raised to the caller at once); a long one inside the
         generation's task, off the event loop (`_prepare_and_produce`), and readers wait for
@@ -192,7 +211,7 @@ class Service:
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
-            events=ReplayBuffer(self.settings.max_events_per_request),
+            events=ReplayBuffer(self.settings.max_events_per_request, numbered=numbered),
             stream=body.stream,
             include_usage=body.include_usage,
             choices=self._choices(kind, body),

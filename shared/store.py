@@ -2,7 +2,7 @@
 streams of every replica, in one Redis (or Valkey) database.
 
 Keys, one deployment per database (a second deployment uses another: redis://host/1):
-  bundle:claim:{id}       JSON {fp, owner, stream, state}; SET NX makes the first replica the owner
+  bundle:claim:{id}       JSON {fp, owner, stream, state, numbered}; SET NX makes the first replica the owner
   bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, b = a whole
                           non-streaming answer or the 4xx of a refused request ({status, body})
   bundle:follow:{id}      exists while a follower on some replica reads (refreshed, short expiry)
@@ -60,6 +60,9 @@ class Claim:
     owner: str  # the replica that runs the generation
     stream: bool
     state: str = RUNNING  # then the registry's final status: completed, failed, cancelled
+    # Whether the creator's events carry `id:` lines; followers elsewhere frame theirs the same.
+    # True when absent: claims written before this field existed were always numbered.
+    numbered: bool = True
 
     @property
     def running(self) -> bool:

@@ -35,8 +35,15 @@ class Usage:
 
 
 def sse_event(sequence: int, data: bytes) -> bytes:
-    """One SSE event; the id is what a client sends back as Last-Event-ID to resume."""
+    """One numbered SSE event; the id is what a client sends back as Last-Event-ID to resume."""
     return b"id: %d\ndata: %s\n\n" % (sequence, data)
+
+
+def sse_data(data: bytes) -> bytes:
+    """One SSE event without an id: the framing of a stream that cannot be resumed. It is also
+    OpenAI's own framing, the only one that clients reading one `data:` line per event (vLLM's
+    `bench serve`) understand."""
+    return b"data: %s\n\n" % data
 
 
 def error_data(error: BundleError) -> bytes:
@@ -46,7 +53,7 @@ def error_data(error: BundleError) -> bytes:
 def error_frames(error: BundleError) -> bytes:
     """An error event and the end marker, without ids: for a reader that cannot be served the
     numbered events any more (it fell behind the buffer), so nothing here may be resumed."""
-    return b"data: %s\n\ndata: %s\n\n" % (error_data(error), DONE_DATA)
+    return sse_data(error_data(error)) + sse_data(DONE_DATA)
 
 
 class ChunkEncoder:

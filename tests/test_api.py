@@ -4,12 +4,16 @@ official `openai` SDK and by raw HTTP where the SDK hides what is being checked.
 from __future__ import annotations
 
 import gc
+import json
 import time
+import uuid
+from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
+from vllm.benchmarks.lib.endpoint_request_func import StreamedResponseHandler
 
 from shared.service import Service
 from tests.conftest import LiveServers, long_chat, wait_until
@@ -22,14 +26,15 @@ def sdk(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
-def sse_events(raw: bytes) -> list[tuple[int, bytes]]:
-    """(id, data) of every event of a raw SSE body."""
+def sse_events(raw: bytes) -> list[tuple[int | None, bytes]]:
+    """(id, data) of every event of a raw SSE body; id None for an event without one."""
     events = []
     for block in raw.split(b"\n\n"):
         if not block.strip():
             continue
         fields = dict(line.split(b": ", 1) for line in block.split(b"\n"))
-        events.append((int(fields[b"id"]), fields[b"data"]))
+        event_id = fields.get(b"id")
+        events.append((None if event_id is None else int(event_id), fields[b"data"]))
     return events
 
 
@@ -102,10 +107,85 @@ def test_stop_sequence_is_honoured(sdk: openai.OpenAI) -> None:
 
 
 def test_event_ids_increase_by_one(http: httpx.Client) -> None:
-    raw = http.post("/v1/chat/completions", json=long_chat(max_tokens=20)).content
+    # Only a resumable stream read as SSE proper is numbered.
+    headers = {"X-Request-Id": f"ids-{uuid.uuid4().hex}", "Accept": "text/event-stream"}
+    raw = http.post("/v1/chat/completions", json=long_chat(max_tokens=20), headers=headers).content
     events = sse_events(raw)
     assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
     assert events[-1][1] == b"[DONE]"
+
+
+def read_as_vllm_bench(pieces: list[bytes]) -> list[Any]:
+    """Every message of a stream, parsed exactly as `vllm bench serve` parses them (its handler
+    on each piece as received, then `removeprefix("data: ")` and `json.loads`), "[DONE]" kept
+    as is. Raises where vLLM's client would count the request as failed."""
+    handler = StreamedResponseHandler()
+    parsed: list[Any] = []
+    for piece in pieces:
+        piece = piece.strip()
+        if not piece:
+            continue
+        for message in handler.add_chunk(piece):
+            if message.startswith(":"):
+                continue
+            chunk = message.removeprefix("data: ")
+            parsed.append(chunk if chunk == "[DONE]" else json.loads(chunk))
+    return parsed
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", long_chat(max_tokens=20, stream_options={"include_usage": True})),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "Once", "max_tokens": 20, "ignore_eos": True, "stream": True},
+        ),
+    ],
+)
+def test_an_anonymous_stream_has_no_ids_and_reads_as_vllm_bench_reads_it(
+    http: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        pieces = list(response.iter_raw())
+    raw = b"".join(pieces)
+    lines = raw.split(b"\n")
+    assert not [line for line in lines if line.startswith(b"id:")]  # nobody can resume it
+    events = sse_events(raw)
+    parsed = read_as_vllm_bench(pieces)
+    assert len(parsed) == len(events) and parsed[-1] == "[DONE]"  # every event read, none lost
+    tokens = [c for c in parsed[:-1] if c["choices"] and c["choices"][0].get("finish_reason") is not None]
+    assert len(tokens) == 1  # the last token chunk carries the finish reason
+    if "stream_options" in body:
+        assert parsed[-2]["usage"]["completion_tokens"] == 20
+
+
+@pytest.mark.parametrize(
+    "accept,numbered",
+    [
+        ("*/*", False),  # vLLM's bench client: it sends an X-Request-Id on every request
+        ("application/json", False),  # the openai SDK
+        ("text/*, */*;q=0.1", False),  # wildcards do not name SSE
+        ("application/json, Text/Event-Stream;q=0.5", True),  # named: any case, any parameters
+    ],
+)
+def test_an_identified_stream_is_numbered_only_when_sse_is_asked_for(
+    http: httpx.Client, accept: str, numbered: bool
+) -> None:
+    headers = {"X-Request-Id": f"accept-{uuid.uuid4().hex}", "Accept": accept}
+    body = long_chat(max_tokens=12)
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        pieces = list(response.iter_raw())
+    events = sse_events(b"".join(pieces))
+    assert events[-1][1] == b"[DONE]"
+    if numbered:
+        assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
+    else:
+        assert all(event_id is None for event_id, _ in events)
+        parsed = read_as_vllm_bench(pieces)
+        assert len(parsed) == len(events) and parsed[-1] == "[DONE]"
 
 
 def test_models_and_health(http: httpx.Client) -> None:

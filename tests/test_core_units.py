@@ -18,7 +18,7 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_requ
 from shared.replay import ReplayBuffer
 from shared.service import Service, Subscription
 from shared.settings import Settings
-from shared.streaming import ChunkEncoder, Usage, sse_event
+from shared.streaming import ChunkEncoder, Usage, sse_data, sse_event
 
 from .scripted import ScriptedEngine, settle
 
@@ -218,7 +218,7 @@ async def _release(engine: ScriptedEngine, tokens: int) -> None:
 
 # --- replay buffer ------------------------------------------------------------------------------
 async def test_follow_from_any_resume_point_gives_the_rest_exactly_once() -> None:
-    buffer = ReplayBuffer(max_events=100)
+    buffer = ReplayBuffer(max_events=100, numbered=True)
     for index in range(10):
         buffer.append(b"%d" % index)
     buffer.close()
@@ -226,8 +226,17 @@ async def test_follow_from_any_resume_point_gives_the_rest_exactly_once() -> Non
         assert event_ids(await drain(buffer.follow(after))) == list(range(after + 1, 11))
 
 
+async def test_an_unnumbered_buffer_frames_plain_data_events_and_still_counts_them() -> None:
+    buffer = ReplayBuffer(max_events=100, numbered=False)
+    for index in range(5):
+        buffer.append(b"%d" % index)
+    buffer.close()
+    assert await drain(buffer.follow(0)) == b"".join(sse_data(b"%d" % i) for i in range(5))
+    assert await drain(buffer.follow(3)) == sse_data(b"3") + sse_data(b"4")  # the cursor still counts
+
+
 async def test_resume_points_outside_the_held_range_are_refused() -> None:
-    buffer = ReplayBuffer(max_events=16)
+    buffer = ReplayBuffer(max_events=16, numbered=True)
     for index in range(40):
         buffer.append(b"%d" % index)
     assert buffer.first_sequence > 1 and buffer.held_events() <= 16
@@ -243,7 +252,7 @@ async def test_resume_points_outside_the_held_range_are_refused() -> None:
 
 
 async def test_a_live_reader_gets_events_as_they_come_and_stops_at_close() -> None:
-    buffer = ReplayBuffer(max_events=100)
+    buffer = ReplayBuffer(max_events=100, numbered=True)
     received: list[bytes] = []
 
     async def read() -> None:
@@ -263,7 +272,7 @@ async def test_a_live_reader_gets_events_as_they_come_and_stops_at_close() -> No
 
 
 async def test_a_reader_that_falls_behind_the_buffer_gets_an_error_not_a_gap() -> None:
-    buffer = ReplayBuffer(max_events=16)
+    buffer = ReplayBuffer(max_events=16, numbered=True)
     buffer.append(b"first")
     follower = buffer.follow(0)
     assert await anext(follower) == sse_event(1, b"first")

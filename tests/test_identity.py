@@ -85,7 +85,7 @@ async def read_events(response: httpx.Response, count: int) -> list[bytes]:
 
 
 async def test_resume_after_k_events_gives_exactly_the_uninterrupted_text(base_url: str) -> None:
-    headers = {"X-Request-Id": "resume-k"}
+    headers = {"X-Request-Id": "resume-k", "Accept": "text/event-stream"}
     body = sampled_chat(200)
     k = 7
     async with (

@@ -186,7 +186,7 @@ async def test_a_stream_dropped_on_one_replica_resumes_on_the_other(replicas: li
     async with httpx.AsyncClient(timeout=60) as plain:
         uninterrupted = await plain.post(f"{a}/v1/chat/completions", json=body, headers={"X-Request-Id": "hop"})
         # Byte level: k events from A, the rest from B after Last-Event-ID k, equal the whole.
-        headers = {"X-Request-Id": "hop-bytes"}
+        headers = {"X-Request-Id": "hop-bytes", "Accept": "text/event-stream"}
         async with plain.stream("POST", f"{a}/v1/chat/completions", json=body, headers=headers) as cut:
             head = b"".join(await read_events(cut, 9))
         tail = await plain.post(

@@ -75,7 +75,7 @@ async def test_many_streams_cost_few_round_trips_and_followers_get_the_owners_by
     owner = await live_store(redis_server, "owner-batch")
     writer = StreamWriter(owner, max_events=1000, retention_s=60, running_ttl_s=60)
     streams, steps = 200, 10
-    local = {f"batch-{i}": ReplayBuffer(1000) for i in range(streams)}
+    local = {f"batch-{i}": ReplayBuffer(1000, numbered=True) for i in range(streams)}
     for step in range(steps + 1):
         for request_id, buffer in local.items():
             data = DONE_DATA if step == steps else orjson.dumps({"token": step, "of": request_id})
@@ -97,6 +97,27 @@ async def test_many_streams_cost_few_round_trips_and_followers_get_the_owners_by
         assert await drain(remote.events()) == expected
         resumed = RemoteSubscription(follower, request_id, claim, 4, follower.metrics)
         assert await drain(resumed.events()) == await drain(local[request_id].follow(4))
+    await follower.aclose()
+    await owner.aclose()
+
+
+async def test_a_follower_of_an_unnumbered_stream_gets_the_owners_bytes_without_ids(
+    redis_server: RedisServer,
+) -> None:
+    owner = await live_store(redis_server, "owner-plain")
+    writer = StreamWriter(owner, max_events=100, retention_s=60, running_ttl_s=60)
+    local = ReplayBuffer(100, numbered=False)  # its creator did not ask for text/event-stream
+    for data in (b'{"token":1}', b'{"token":2}', DONE_DATA):
+        writer.append("plain", local.next_sequence, data)
+        local.append(data)
+    local.close()
+    await writer.drain()
+    follower = IdentityStore(redis_server.url, "follower-plain", Metrics())
+    claim = Claim("fp", "owner-plain", True, numbered=False)
+    remote = RemoteSubscription(follower, "plain", claim, 0, follower.metrics)
+    raw = await drain(remote.events())
+    assert raw == await drain(local.follow(0))
+    assert raw.startswith(b'data: {"token":1}\n\n') and b"id: " not in raw
     await follower.aclose()
     await owner.aclose()
 
