@@ -10,6 +10,7 @@ import pytest
 
 from bench import startup
 from bench.startup import milestones, phases
+from tests.real_server import seed_model_info_cache
 
 SPAWN = 1000.0
 
@@ -64,11 +65,13 @@ def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_one_real_cpu_start_produces_every_phase_of_the_eager_path(tmp_path: Path) -> None:
     small = {"BUNDLE_MAX_NUM_SEQS": "8", "BUNDLE_MAX_MODEL_LEN": "256"}
+    work = tmp_path / "work"
+    seed_model_info_cache(work / "warm-cache")  # the folder the eager path's start uses
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name, value in small.items():
             monkeypatch.setenv(name, value)
-        args = ["--paths", "eager,wake", "--runs", "1", "--out", str(tmp_path), "--timeout", "600"]
-        code = startup.main(args)
+        args = ["--paths", "eager,wake", "--runs", "1", "--out", str(tmp_path), "--work", str(work)]
+        code = startup.main([*args, "--timeout", "600"])
     assert code == 0
     report = json.loads((tmp_path / "startup.json").read_text())
     assert report["schema"] == "bundle-startup/1" and report["model"] == "tiny"
