@@ -156,7 +156,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
     coglet's slot thread runs it) on the scripted engine, which emits only the tokens released
     here. A reader waiting for the next token gets it alone; one that falls behind (a loaded host)
     gets everything since its last read in one item, which is why the real-server test below
-    checks that the stream is spread over the generation rather than counting its items."""
+    does not count its items."""
     engine = ScriptedEngine()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -347,15 +347,6 @@ def probe(url: str) -> dict[str, Any]:
     return response.json()
 
 
-SLICES = 10
-
-
-def slices_with_output(times: list[float], start: float, end: float, slices: int) -> int:
-    """In how many of `slices` equal parts of [start, end] at least one output arrived."""
-    width = (end - start) / slices
-    return len({min(int((at - start) / width), slices - 1) for at in times if start <= at <= end})
-
-
 def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
     async def go() -> Stream:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -366,14 +357,15 @@ def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
     busy = cog_server.engine_running_requests
     stream = asyncio.run(go())
     assert stream.completed is not None and stream.completed["status"] == "succeeded"
-    # Token by token while the reader keeps up (exact, above, on the scripted engine); on a loaded
-    # host the runner hands a late reader its backlog in one item, so the count of items varies
-    # (21 of 900 tokens seen under load). What must hold anyway: outputs reached the client all
-    # along the generation, not held back and sent in a few bursts or at the end.
-    covered = slices_with_output(stream.chunk_times, stream.started_at, stream.ended_at, SLICES)
-    assert covered >= SLICES - 2, (covered, len(stream.chunks), stream.first_output_after, stream.duration)
-    assert stream.streamed, (stream.first_output_after, stream.duration)
-    assert "".join(stream.chunks) == "".join(stream.completed["output"])
+    # Token by token is exact on the scripted engine (above): a reader that keeps up gets each
+    # token alone, a late one its backlog in one item. Here the host decides how often the
+    # runner's process gets the CPU, so the NUMBER of items is not a property of the code: 670-770
+    # items for these 900 tokens at load 3-6, 144 with one 2 s stall at load 8, 21-22 in
+    # full-suite runs beside a neighbour's benchmark (the old `> 50` failed there). What holds on
+    # any host: outputs reached the client while the engine was still generating this request
+    # (an order of events), and every item the runner yielded is its own SSE event.
+    assert stream.streamed, (len(stream.chunks), stream.first_output_after, stream.duration)
+    assert stream.chunks == stream.completed["output"]  # coglet neither merged nor split items
     print(
         f"\nSSE: first output at {stream.first_output_after:.2f} s of {stream.duration:.2f} s, "
         f"{len(stream.chunks)} chunks"
