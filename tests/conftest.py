@@ -12,7 +12,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
@@ -23,6 +23,9 @@ from shared.engine import Engine, open_engine
 from shared.service import Service
 from shared.settings import Settings
 from tests.redis_server import redis_server  # noqa: F401  (fixture: a real Redis-protocol server)
+
+if TYPE_CHECKING:
+    from tests.real_server import RealStart
 
 T = TypeVar("T")
 
@@ -90,6 +93,16 @@ def live() -> Iterator[LiveServers]:
 @pytest.fixture(scope="session")
 def default_server(live: LiveServers) -> tuple[str, Service]:
     return live.serve()
+
+
+@pytest.fixture(scope="session")
+def real_start(tmp_path_factory: pytest.TempPathFactory) -> RealStart:
+    """One real `python -m shared.serve` start through the start-up benchmark, stopped by SIGTERM
+    to its group with a stream running: the start-up test reads the benchmark's report, the
+    shutdown test what the stream and the process did (tests/real_server.py, RealStart)."""
+    from tests.real_server import start_through_the_benchmark  # it imports this module
+
+    return start_through_the_benchmark(tmp_path_factory.mktemp("real-start"))
 
 
 @pytest.fixture

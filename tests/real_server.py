@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
+import pytest
 
+from bench import startup
 from bench.servers import wait_healthy
-from tests.conftest import free_port
+from tests.conftest import free_port, long_chat
 
 START_TIMEOUT_S = 300  # a cold start on the busy 2-core box; ~20 s when quiet
 
@@ -79,3 +84,80 @@ def bundle_server(log_dir: Path, **settings: str) -> Iterator[ServerProcess]:
 def data_events(lines: Iterator[str]) -> list[str]:
     """The `data:` payloads of an SSE line iterator, to the end of the stream."""
     return [line[6:] for line in lines if line.startswith("data: ")]
+
+
+# --- one real start, shared: the start-up benchmark's start, ended by SIGTERM to its group -----
+@dataclass
+class GroupSigterm:
+    """What a client saw of a running stream when the server's whole process group got SIGTERM."""
+
+    rest: list[str]  # the stream's `data:` payloads after the signal, to its end
+    exit_code: int
+    seconds: float  # from the signal to the server's exit
+    log: Path
+
+
+@dataclass
+class RealStart:
+    """One `python -m bench startup --paths eager,wake --runs 1` (one real server start) and how
+    its server ended. The benchmark stops every server it starts with SIGTERM to the server's
+    whole group; here a long stream is running when that signal arrives, so the same start also
+    serves the shutdown test (one engine start fewer for the suite)."""
+
+    exit_code: int  # the benchmark's
+    out: Path  # startup.json and startup.md
+    sigterm: GroupSigterm | BaseException
+
+
+def sigterm_group_mid_stream(url: str, process: subprocess.Popen[bytes], log: Path) -> GroupSigterm:
+    """Start a long stream, read its first events, SIGTERM the whole group, read to the end."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        headers = {"X-Request-Id": "group-signal"}
+        with client.stream("POST", "/v1/chat/completions", json=long_chat(), headers=headers) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            os.killpg(process.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = data_events(lines)
+        code = process.wait(timeout=30)
+    return GroupSigterm(rest, code, time.monotonic() - signalled, log)
+
+
+def start_through_the_benchmark(base: Path) -> RealStart:
+    """Run the start-up benchmark's eager path once; stop its server mid-stream (see RealStart)."""
+    out, work = base / "out", base / "work"
+    seed_model_info_cache(work / "warm-cache")
+    ended: list[GroupSigterm | BaseException] = []
+    stop_group = startup._stop_group
+
+    def stop_mid_stream(process: subprocess.Popen[bytes]) -> None:
+        try:
+            port = process.args[process.args.index("--port") + 1]  # type: ignore[union-attr]
+            ended.append(sigterm_group_mid_stream(f"http://127.0.0.1:{port}", process, work / "eager-1.log"))
+        except Exception as exc:  # reported by the shutdown test, not swallowed
+            ended.append(exc)
+        finally:
+            stop_group(process)  # the benchmark's own stop: whatever is left of the group goes
+
+    # Small engine (few sequences), but room for the shutdown test's 1,500-token stream.
+    small = {"BUNDLE_MAX_NUM_SEQS": "8", "BUNDLE_MAX_MODEL_LEN": "2048"}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, value in small.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(startup, "_stop_group", stop_mid_stream)
+        args = ["--paths", "eager,wake", "--runs", "1", "--out", str(out), "--work", str(work)]
+        code = startup.main([*args, "--timeout", "600"])
+    return RealStart(code, out, ended[0] if ended else AssertionError("the benchmark stopped no server"))
+
+
+def seed_model_info_cache(cache_root: Path) -> None:
+    """Copy vLLM's model-info cache (what it learnt about the model's class) into the start's
+    empty cache folder, if this machine has one. Without it vLLM inspects the class in a
+    subprocess that imports vLLM once more (~12 s of CPU here); the benchmark's eager path
+    normally runs on the cache its earlier paths warmed, so this is the start it measures."""
+    from vllm import envs
+
+    found = Path(envs.VLLM_CACHE_ROOT) / "modelinfos"
+    if found.is_dir():
+        shutil.copytree(found, cache_root / "modelinfos", dirs_exist_ok=True)

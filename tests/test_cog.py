@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,9 +32,11 @@ import yaml
 
 from shared import cog_bridge as bridge
 from shared.errors import InvalidRequest
+from shared.service import Service
 from shared.settings import Settings
 
 from .conftest import free_port
+from .scripted import ScriptedEngine, settle
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER_REF = "cog/predict.py:Runner"
@@ -144,6 +147,50 @@ def test_cancel_hook_fires_the_signal_of_the_run_it_submitted() -> None:
         seen[0].add(lambda: fired.append("late"))  # added after firing: runs at once
         assert fired == ["aborted", "late"]
     finally:
+        loop.close()
+
+
+@pytest.mark.timeout(20)  # a runner that batches by count would wait here for tokens never released
+def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backlog() -> None:
+    """Token by token, exactly: the runner's stream (`bridge.stream_text`, run in a thread as
+    coglet's slot thread runs it) on the scripted engine, which emits only the tokens released
+    here. A reader waiting for the next token gets it alone; one that falls behind (a loaded host)
+    gets everything since its last read in one item, which is why the real-server test below
+    does not count its items."""
+    engine = ScriptedEngine()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
+
+    async def start() -> Any:
+        service = Service(Settings(), engine)
+        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
+        subscription = await bridge.start_chat(service, body, None)
+        while not engine.running:  # the generation reached the engine
+            await asyncio.sleep(0)
+        return subscription
+
+    async def release(tokens: int) -> None:
+        engine.step(tokens)
+        await settle(20)  # the service has taken them in before the reader asks
+
+    try:
+        pieces = bridge.stream_text(on_loop(start()), loop, RuntimeError)
+        for index in range(3):
+            on_loop(release(1))
+            assert next(pieces) == f"t{index} "
+        on_loop(release(3))  # three tokens while the reader was elsewhere
+        assert next(pieces) == "t3 t4 t5 "
+        on_loop(release(2))
+        assert next(pieces) == "t6 t7 "
+        assert next(pieces, None) is None  # max_tokens reached: the stream ends
+        on_loop(settle())  # the stream's own clean-up, handed to the loop as it ended
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
         loop.close()
 
 
@@ -310,9 +357,15 @@ def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
     busy = cog_server.engine_running_requests
     stream = asyncio.run(go())
     assert stream.completed is not None and stream.completed["status"] == "succeeded"
-    assert len(stream.chunks) > 50
-    assert stream.streamed, (stream.first_output_after, stream.duration)
-    assert "".join(stream.chunks) == "".join(stream.completed["output"])
+    # Token by token is exact on the scripted engine (above): a reader that keeps up gets each
+    # token alone, a late one its backlog in one item. Here the host decides how often the
+    # runner's process gets the CPU, so the NUMBER of items is not a property of the code: 670-770
+    # items for these 900 tokens at load 3-6, 144 with one 2 s stall at load 8, 21-22 in
+    # full-suite runs beside a neighbour's benchmark (the old `> 50` failed there). What holds on
+    # any host: outputs reached the client while the engine was still generating this request
+    # (an order of events), and every item the runner yielded is its own SSE event.
+    assert stream.streamed, (len(stream.chunks), stream.first_output_after, stream.duration)
+    assert stream.chunks == stream.completed["output"]  # coglet neither merged nor split items
     print(
         f"\nSSE: first output at {stream.first_output_after:.2f} s of {stream.duration:.2f} s, "
         f"{len(stream.chunks)} chunks"

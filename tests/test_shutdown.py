@@ -4,11 +4,9 @@ with a "server shutting down" error event (not "engine died"), and the process e
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import orjson
@@ -20,7 +18,7 @@ from shared.api import create_app
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, free_port, long_chat
-from tests.real_server import bundle_server, data_events
+from tests.real_server import RealStart, data_events
 
 GRACE_S = 1.0
 
@@ -72,22 +70,16 @@ def test_streams_run_through_the_grace_then_end_with_a_shutdown_event(
     assert GRACE_S <= ended < GRACE_S + 10  # ended by the grace timer, not by the end of generation
 
 
-def test_sigterm_to_the_whole_group_says_shutting_down_not_engine_died(tmp_path: Path) -> None:
+def test_sigterm_to_the_whole_group_says_shutting_down_not_engine_died(real_start: RealStart) -> None:
     # The engine core gets the signal too and stops at once; clients must hear "shutting down".
-    with bundle_server(tmp_path) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-        headers = {"X-Request-Id": "group-signal"}
-        with client.stream("POST", "/v1/chat/completions", json=long_chat(), headers=headers) as response:
-            lines = response.iter_lines()
-            for _ in range(6):
-                next(lines)
-            os.killpg(server.process.pid, signal.SIGTERM)
-            signalled = time.monotonic()
-            rest = data_events(lines)
-        assert rest[-1] == "[DONE]"
-        error = orjson.loads(rest[-2])["error"]
-        assert error["code"] == "server_shutting_down", error
-        code = server.wait(timeout=30)
-        took = time.monotonic() - signalled
+    # The server is the start-up test's: the benchmark ends it this way, a stream running.
+    ended = real_start.sigterm
+    if isinstance(ended, BaseException):
+        raise ended
+    assert ended.rest[-1] == "[DONE]"
+    error = orjson.loads(ended.rest[-2])["error"]
+    assert error["code"] == "server_shutting_down", error
     # uvicorn re-raises the signal after its shutdown, so the process ends "killed by SIGTERM".
-    assert code in (-signal.SIGTERM, 0) and code != ENGINE_DEAD_EXIT_CODE, server.log.read_text()[-3000:]
-    print(f"server exited {took:.1f} s after SIGTERM to its group")
+    code = ended.exit_code
+    assert code in (-signal.SIGTERM, 0) and code != ENGINE_DEAD_EXIT_CODE, ended.log.read_text()[-3000:]
+    print(f"server exited {ended.seconds:.1f} s after SIGTERM to its group")

@@ -1,5 +1,6 @@
 """The start-up benchmark: its log reading (against both wordings of vLLM's lines it must read)
-and one real start of `python -m shared.serve` on the CPU engine, phases and all."""
+and one real start of `python -m shared.serve` on the CPU engine, phases and all (the start the
+shutdown test then ends with SIGTERM: tests/real_server.py, RealStart)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from bench import startup
 from bench.startup import milestones, phases
+from tests.real_server import RealStart
 
 SPAWN = 1000.0
 
@@ -62,15 +64,9 @@ def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lukewarm" in capsys.readouterr().err
 
 
-def test_one_real_cpu_start_produces_every_phase_of_the_eager_path(tmp_path: Path) -> None:
-    small = {"BUNDLE_MAX_NUM_SEQS": "8", "BUNDLE_MAX_MODEL_LEN": "256"}
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        for name, value in small.items():
-            monkeypatch.setenv(name, value)
-        args = ["--paths", "eager,wake", "--runs", "1", "--out", str(tmp_path), "--timeout", "600"]
-        code = startup.main(args)
-    assert code == 0
-    report = json.loads((tmp_path / "startup.json").read_text())
+def test_one_real_cpu_start_produces_every_phase_of_the_eager_path(real_start: RealStart) -> None:
+    assert real_start.exit_code == 0
+    report = json.loads((real_start.out / "startup.json").read_text())
     assert report["schema"] == "bundle-startup/1" and report["model"] == "tiny"
     assert set(report["machine"]) == {"gpu", "cpu", "cores"} and report["machine"]["cores"] >= 1
     eager = report["paths"]["eager"]
@@ -83,7 +79,7 @@ def test_one_real_cpu_start_produces_every_phase_of_the_eager_path(tmp_path: Pat
     assert set(eager["phases"]["imports"]) == {"min", "median", "max"}
     # No sleep mode on vLLM's CPU build: said, not simulated.
     assert report["paths"]["wake"]["runs"] == [] and "unsupported" in report["paths"]["wake"]
-    table = (tmp_path / "startup.md").read_text()
+    table = (real_start.out / "startup.md").read_text()
     assert "| engine_core_up |" in table and "unsupported" in table
 
 
