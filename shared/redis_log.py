@@ -24,7 +24,9 @@ from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, St
 from shared.metrics import Metrics
 from shared.replay import ReplayBuffer
 from shared.store import (
+    BODY,
     CHECK_EVERY_S,
+    DATA,
     PRODUCER_LOST_BOUND_S,
     RUNNING,
     AppendBatch,
@@ -39,8 +41,6 @@ log = logging.getLogger(__name__)
 
 Events = list[tuple[str, int, bytes]]  # (request id, sequence, data)
 Finals = list[tuple[str, "Claim", bytes | None]]  # (request id, final claim, non-streaming answer)
-DATA = b"d"  # field of one streamed event's data
-BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
 
 
 class StreamWriter:
@@ -207,7 +207,7 @@ class RemoteSubscription:
                     cursor = sequence
                     data = fields[DATA]
                     frames.append(sse_event(sequence, data) if self._numbered else sse_data(data))
-                    if fields[DATA] == DONE_DATA:
+                    if data == DONE_DATA:
                         yield b"".join(frames)
                         return
                 yield b"".join(frames)

@@ -1,9 +1,9 @@
 """The replay buffer: one stream's SSE events, numbered from 1, held for any number of readers.
 
-Every event has a sequence number (a reader's cursor); only a stream that can be resumed (its
-request has an X-Request-Id) puts it on the wire as an `id:` line. An anonymous stream is
-aborted when its reader leaves, so nobody could ever send its ids back: it is framed as plain
-`data:` events, as OpenAI's are.
+Every event has a sequence number (a reader's cursor); it goes on the wire as an `id:` line only
+for a stream that can be resumed and whose client reads SSE proper (its request has an
+X-Request-Id and asks for text/event-stream; `Service._existing_or_new` decides). Any other
+stream is framed as plain `data:` events, as OpenAI's are.
 
 A generation's producer appends events; every client follows the buffer from an event id, so
 attaching a duplicate, resuming after a dropped connection and replaying a finished result are
@@ -71,7 +71,7 @@ class ReplayBuffer:
 
     def __init__(self, max_events: int, *, numbered: bool) -> None:
         self.max_events = max_events
-        self.numbered = numbered  # `id:` lines on the wire: only for a stream that can be resumed
+        self.numbered = numbered  # `id:` lines on the wire (see the module's docstring)
         self.events: list[bytes] = []
         self.first_sequence = 1  # sequence number of events[0]; grows as old events are dropped
         self.next_sequence = 1

@@ -118,17 +118,19 @@ def cancel_channel(replica_id: str) -> str:
 # retention TTLs (ms), the number of events, then per event its sequence, data and whether
 # its stream is new (1: set the running TTL), then per end its answer ("" for a stream) and
 # final claim. In order, so a generation's end is written after its events.
-APPEND_SCRIPT = """
+DATA = b"d"  # field of one streamed event's data
+BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
+APPEND_SCRIPT = f"""
 local max_events, running_ttl, retention = ARGV[1], ARGV[2], ARGV[3]
 local events = tonumber(ARGV[4])
 local a = 5
 for i = 1, events do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', max_events, ARGV[a] .. '-0', 'd', ARGV[a + 1])
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', max_events, ARGV[a] .. '-0', '{DATA.decode()}', ARGV[a + 1])
   if ARGV[a + 2] == '1' then redis.call('PEXPIRE', KEYS[i], running_ttl) end
   a = a + 3
 end
 for k = events + 1, #KEYS, 2 do
-  if ARGV[a] ~= '' then redis.call('XADD', KEYS[k], '1-0', 'b', ARGV[a]) end
+  if ARGV[a] ~= '' then redis.call('XADD', KEYS[k], '1-0', '{BODY.decode()}', ARGV[a]) end
   redis.call('PEXPIRE', KEYS[k], retention)
   redis.call('SET', KEYS[k + 1], ARGV[a + 1], 'PX', retention)
   a = a + 2
