@@ -238,9 +238,9 @@ class IdentityStore:
     async def append(self, batch: AppendBatch) -> None:
         """One round trip, one command: every event and end of a flush, appended by a script.
 
-        One XADD per event in a pipeline costs the API process ~28 us of CPU per event at 256
+        One XADD per event in a pipeline costs the API process ~23-28 us of CPU per event at 256
         streams (redis-py builds and parses each command in Python), the script ~7 us
-        (`python -m bench.store_writes` against valkey on the 2-core box); at 256 streams an
+        (`python -m bench.store_writes`, bench/results/store-writes.txt); at 256 streams an
         event carries one token."""
         async with self._trip("write", batch.commands):
             try:
