@@ -94,7 +94,7 @@ case "$stage" in
     mkdir -p bench/gpu-results
     spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
     [ -n "$spy" ] || { echo "py-spy not found: send .whl with its wheel (see the header)"; exit 2; }
-    python3 -m shared.serve --port 8400 > bench/gpu-results/profile-server.log 2>&1 &
+    python3 -m shared.serve --port 8400 --no-access-log > bench/gpu-results/profile-server.log 2>&1 &
     server=$!
     trap 'kill "$server" 2> /dev/null || true' EXIT INT TERM  # never leave it holding the GPU
     until curl -sf 127.0.0.1:8400/health > /dev/null; do

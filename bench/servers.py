@@ -75,7 +75,9 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float, int
 
 
 def bundle_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "shared.serve", "--port", str(port)]
+    """The bundle's server as the benchmark runs it: no access log, like vLLM's server there
+    (`--disable-uvicorn-access-log` in `_vllm_server_base`), so both do the same work."""
+    return [sys.executable, "-m", "shared.serve", "--port", str(port), "--no-access-log"]
 
 
 def vllm_server_command(settings: Settings, port: int) -> list[str]:

@@ -42,7 +42,12 @@ def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | 
 
     app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, **uvicorn_options(settings)
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        **uvicorn_options(settings),
     )
     server = DrainingServer(config, on_signal)
     server.run()

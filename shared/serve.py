@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", help="bind address (BUNDLE_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (BUNDLE_PORT, default 8000)")
     parser.add_argument("--model", help="'tiny', a Hugging Face id or a path (BUNDLE_MODEL)")
+    parser.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        default=None,
+        help="no line per request (BUNDLE_ACCESS_LOG=false)",
+    )
     args = parser.parse_args(argv)
     overrides = {key: value for key, value in vars(args).items() if value is not None}
     settings = Settings(**overrides)

@@ -329,3 +329,23 @@ def test_a_failing_engine_gauge_reads_nan_and_the_other_metrics_still_export() -
     text = metrics.exposition().decode()
     assert "bundle_engine_running_requests NaN" in text
     assert "bundle_generation_tokens_total 3.0" in text
+
+
+def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark runs the bundle without uvicorn's access log, as it runs vLLM's server
+    (`--no-access-log`); a plain start keeps it."""
+    from fastapi import FastAPI
+
+    from shared import process, serve
+
+    started: list[Settings] = []
+    monkeypatch.setattr(serve, "serve", started.append)
+    serve.main(["--no-access-log"])
+    serve.main([])
+    assert [s.access_log for s in started] == [False, True]
+
+    configs: list[Any] = []
+    monkeypatch.setattr(process.DrainingServer, "run", lambda server: configs.append(server.config))
+    for settings in started:
+        assert process.run_server(settings, lambda request_exit: FastAPI()) == 0
+    assert [c.access_log for c in configs] == [False, True]
