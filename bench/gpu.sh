@@ -51,7 +51,11 @@ export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=b
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
 machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
-common=(--rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 3
+# Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
+# result folders (bench-c8, ...) so that two counts can be run side by side and compared.
+clients=${BENCH_CLIENTS:-4}
+tag=$([ "$clients" = 4 ] || echo "-c$clients")
+common=(--rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift
@@ -59,9 +63,9 @@ suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
-  raw) suite bench --levels 1,64,256 --targets raw --prefix-caching on ;;
-  bundle) suite bench --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
-  vllm) suite bench --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
+  raw) suite bench$tag --levels 1,64,256 --targets raw --prefix-caching on ;;
+  bundle) suite bench$tag --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
+  vllm) suite bench$tag --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;

@@ -5,6 +5,8 @@
 # the two lists share nothing but the host's 32 cores (each list uses at most ~6).
 #
 #   bash bench/gpu_pair.sh "startup startup-eager" "raw bundle"
+#   bash bench/gpu_pair.sh "BENCH_CLIENTS=8 raw bundle" "bundle"   # NAME=value sets the environment
+#                                                                 # of that list's later stages
 #
 # Logs go to bench/gpu-results/gpu<N>.log; everything under bench/gpu-results/ comes back as an
 # archive per GPU, $OUT/gpu<N>.tgz, rewritten after each stage (the device tool returns at most 8
@@ -21,6 +23,7 @@ mkdir -p "$results"
 run_list() {  # run_list GPU STAGES...
   local gpu=$1; shift
   for stage in "$@"; do
+    if [[ $stage == *=* ]]; then export "${stage?}"; continue; fi  # NAME=value: for this list's later stages
     echo "=== GPU $gpu: $stage ($(date +%T))"
     # gpu.sh copies each stage's files to $OUT; here that is a folder inside the archive.
     OUT=bench/gpu-results/out$gpu CUDA_VISIBLE_DEVICES=$gpu bash bench/gpu.sh "$stage" \

@@ -19,8 +19,8 @@ CpuClock: TypeAlias = Callable[[], float]
 # The engine's prefix-cache counts so far: (prompt tokens looked up, tokens found).
 CacheCounter: TypeAlias = Callable[[], tuple[int, int]]
 
-# The server's own time-to-first-token histogram so far: (sum of seconds, count).
-TtftCounter: TypeAlias = Callable[[], tuple[float, int]]
+# One of the server's own histograms so far: (sum of seconds, count).
+HistogramCounter: TypeAlias = Callable[[], tuple[float, int]]
 
 # Runs one level: (prompts, concurrency) -> its summary.
 LevelRunner: TypeAlias = Callable[[list[list[int]], int], Awaitable[dict[str, Any]]]
@@ -35,7 +35,10 @@ class Meters:
     # The bundle's TTFT from the start of its generation task; the client's mean minus this
     # is what the bundle adds before the engine is asked (HTTP, parsing, task queueing) plus
     # the first event's way out.
-    server_ttft: TtftCounter | None = None
+    server_ttft: HistogramCounter | None = None
+    # The bundle's admission: from a request's first byte read to its generation admitted (on
+    # Python 3.12 the engine has it by then). The part of the above that the server itself sees.
+    server_admission: HistogramCounter | None = None
     # Server counters reported per output token (name -> value so far), e.g. the identity
     # store's round trips; divided by the tokens the clients counted, not the server's own.
     per_token: Callable[[], dict[str, float]] | None = None
@@ -67,7 +70,8 @@ async def run_levels(
 async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, meters: Meters) -> dict:
     cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
     cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
-    ttft_before = meters.server_ttft() if meters.server_ttft else (0.0, 0)
+    histograms = {"server_ttft_mean_s": meters.server_ttft, "server_admission_mean_s": meters.server_admission}
+    before = {name: (read, read()) for name, read in histograms.items() if read is not None}
     counted_before = meters.per_token() if meters.per_token else {}
     result = await run(prompts, level)
     if meters.per_token is not None:
@@ -82,10 +86,10 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
     if meters.prefix_cache is not None:
         queries, hits = meters.prefix_cache()
         result["prefix_cache"] = cache_counts(queries - cache_before[0], hits - cache_before[1])
-    if meters.server_ttft is not None:
-        seconds, count = meters.server_ttft()
-        if count > ttft_before[1]:
-            result["server_ttft_mean_s"] = (seconds - ttft_before[0]) / (count - ttft_before[1])
+    for name, (read, (seconds_before, count_before)) in before.items():
+        seconds, count = read()
+        if count > count_before:
+            result[name] = (seconds - seconds_before) / (count - count_before)
     return result
 
 
@@ -107,6 +111,8 @@ def median_run(runs: list[dict]) -> dict:
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
     if all("server_ttft_mean_s" in run for run in runs):
         chosen["runs_ttft_added_by_server_s"] = [run["ttft_mean_s"] - run["server_ttft_mean_s"] for run in runs]
+    if all("server_admission_mean_s" in run for run in runs):
+        chosen["runs_server_admission_mean_s"] = [run["server_admission_mean_s"] for run in runs]
     if all("prefix_cache" in run for run in runs):
         chosen["runs_prefix_cache_hit_rate"] = [run["prefix_cache"]["hit_rate"] for run in runs]
     return chosen
@@ -130,4 +136,7 @@ def _ttft_split(level: dict) -> str:
     if "server_ttft_mean_s" not in level:
         return ""
     client, server = level["ttft_mean_s"] * 1000, level["server_ttft_mean_s"] * 1000
-    return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started"
+    admission = level.get("server_admission_mean_s")
+    return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + (
+        f", admission mean {admission * 1000:.1f} ms" if admission is not None else ""
+    )

@@ -192,9 +192,10 @@ def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
     return read
 
 
-def metrics_ttft_counter(url: str) -> Callable[[], tuple[float, int]]:
-    """Reads the bundle's `bundle_time_to_first_token_seconds` histogram (sum, count) from its
-    /metrics; (0, 0) if it cannot."""
+def metrics_histogram_counter(url: str, name: str) -> Callable[[], tuple[float, int]]:
+    """Reads one of the bundle's histograms (sum, count) from its /metrics, e.g.
+    `bundle_time_to_first_token_seconds`; (0, 0) if it cannot."""
+    wanted = {f"{name}_sum": "sum", f"{name}_count": "count"}
 
     def read() -> tuple[float, int]:
         try:
@@ -203,9 +204,9 @@ def metrics_ttft_counter(url: str) -> Callable[[], tuple[float, int]]:
             return 0.0, 0
         values = {}
         for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("bundle_time_to_first_token_seconds_sum", "bundle_time_to_first_token_seconds_count"):
-                values[name.rsplit("_", 1)[1]] = float(value)
+            metric, _, value = line.partition(" ")
+            if metric in wanted:
+                values[wanted[metric]] = float(value)
         return values.get("sum", 0.0), int(values.get("count", 0))
 
     return read

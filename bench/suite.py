@@ -28,7 +28,7 @@ from bench.servers import (
     bundle_command,
     free_port,
     logged_batch_tokens,
-    metrics_ttft_counter,
+    metrics_histogram_counter,
     peak_rss_mib,
     process_cpu_s,
     running_server,
@@ -112,12 +112,15 @@ def run_server(
         "BUNDLE_LOG_LEVEL": "warning",
         "BUNDLE_ENGINE_STATS_FILE": str(stats),  # the bundle's prefix-cache counts (bench only)
     }
+    bundle = spec.kind == "bundle"
     with running_server(server_command(spec, caching, port), port, log, env) as pid:
         url = f"http://127.0.0.1:{port}"
+        histogram = functools.partial(metrics_histogram_counter, url)
         meters = Meters(
             serving_cpu=functools.partial(process_cpu_s, pid),
-            prefix_cache=stats_file_counter(stats) if spec.kind == "bundle" else None,
-            server_ttft=metrics_ttft_counter(url) if spec.kind == "bundle" else None,
+            prefix_cache=stats_file_counter(stats) if bundle else None,
+            server_ttft=histogram("bundle_time_to_first_token_seconds") if bundle else None,
+            server_admission=histogram("bundle_admission_seconds") if bundle else None,
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(

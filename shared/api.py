@@ -28,6 +28,7 @@ from shared.errors import (
 from shared.headers import (
     HeaderGuard,
     accepts_event_stream,
+    admission_seconds,
     bearer_token_matches,
     parse_last_event_id,
     parse_request_id,
@@ -200,6 +201,7 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     except BaseException:
         subscription.close()
         raise
+    service.metrics.admission.observe(admission_seconds(request.scope))
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)

@@ -12,6 +12,7 @@ an X-Request-Id it would hold for minutes or echo back unbounded.
 from __future__ import annotations
 
 import hmac
+import time
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,6 +26,19 @@ LAST_EVENT_ID_MAX_DIGITS = 18
 # Headers a request may carry once: two different values would make "which one counts" depend on
 # the layer asked (a proxy may pick the last, Starlette picks the first).
 SINGLE_HEADERS = (b"x-request-id", b"last-event-id", b"authorization", b"content-type")
+# When this server first saw the request (time.perf_counter), in its ASGI scope: stamped by the
+# bounded HTTP protocol as the request's first byte is parsed (shared/http_limits.py), else by
+# HeaderGuard when the request's task first runs. What happens between that and the engine
+# having the request (the event loop's queue, parsing, validation) is the server's admission time.
+ARRIVED_KEY = "bundle.arrived_s"
+
+
+def stamp_arrival(scope: Scope) -> None:
+    scope.setdefault(ARRIVED_KEY, time.perf_counter())
+
+
+def admission_seconds(scope: Scope) -> float:
+    return time.perf_counter() - scope[ARRIVED_KEY]
 
 
 def parse_request_id(raw: str | None, *, param: str = "X-Request-Id") -> str | None:
@@ -82,6 +96,7 @@ class HeaderGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            stamp_arrival(scope)
             try:
                 self.check(scope["headers"])
             except BundleError as error:

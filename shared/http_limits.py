@@ -23,6 +23,7 @@ import asyncio
 from typing import Any
 
 from shared.errors import BundleError, HeadersTooLarge, RequestTimeout
+from shared.headers import stamp_arrival
 from shared.settings import Settings
 from shared.streaming import error_data
 
@@ -85,6 +86,7 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            stamp_arrival(self.scope)  # before the loop queues its task: admission counts from here
             self._head_open = True
             self._arm_head_timer()
 

@@ -571,6 +571,32 @@ def test_a_body_larger_than_the_head_bound_still_passes(bounded_server: tuple[st
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
 
 
+def test_admission_is_timed_from_the_first_byte_read(bounded_server: tuple[str, int]) -> None:
+    """bundle_admission_seconds starts when the protocol reads a request's first byte, not when
+    its task first runs: a head that arrives in two parts 0.3 s apart is admitted >= 0.3 s
+    after it began (the time a busy loop keeps a request waiting is counted the same way)."""
+
+    def admissions() -> tuple[float, float]:
+        with httpx.Client(base_url=f"http://{bounded_server[0]}:{bounded_server[1]}", timeout=10) as client:
+            text = client.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        values = dict(
+            line.split(" ") for line in text.splitlines() if line.startswith("bundle_admission_seconds_")
+        )
+        return float(values["bundle_admission_seconds_sum"]), float(values["bundle_admission_seconds_count"])
+
+    body = orjson.dumps(VALID_CHAT)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    )
+    seconds_before, count_before = admissions()
+    reply = _raw_exchange(bounded_server, [head[:24], head[24:] + body], pause_s=0.3)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    seconds, count = admissions()
+    assert count == count_before + 1
+    assert 0.3 <= seconds - seconds_before < 10
+
+
 def test_keep_alive_requests_are_each_bounded(bounded_server: tuple[str, int]) -> None:
     with httpx.Client(base_url=f"http://{bounded_server[0]}:{bounded_server[1]}", timeout=10) as client:
         for _ in range(3):
