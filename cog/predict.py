@@ -53,6 +53,10 @@ class Runner(BaseRunner):
 
     def healthcheck(self) -> bool:
         # coglet 0.23.1 calls this from a thread pool for GET /health-check; False -> UNHEALTHY.
+        # After engine death this is ALL the runner does: unlike the HTTP server it does not exit.
+        # Measured: coglet outlives an exited worker (no exit code, still UNHEALTHY, never
+        # DEFUNCT) and then fails predictions with "Broken pipe", later 409 "at capacity",
+        # instead of the engine's reason. docs/cog.md, "Engine death", has the figures.
         return bridge.engine_healthy(self.service)
 
     @cog.streaming
