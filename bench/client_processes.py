@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from bench.loadgen import Sample, gather_limited, summarise
-from bench.requesters import http_requester, load_client
+from bench.requesters import http_requester, load_client, open_connections
 from bench.workload import Workload
 
 
@@ -70,10 +70,7 @@ async def _client_share(
 ) -> tuple[list[dict[str, Any]], float]:
     async with load_client(url, concurrency) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
-        # Open the connections before the clock starts, as the single-process path's warm-up
-        # does: TCP set-up is not the server's time to first token.
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        await asyncio.gather(*(client.get("/v1/models", headers=headers) for _ in range(concurrency)))
+        await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         samples = await gather_limited(one, prompts, concurrency)
         end = time.time()

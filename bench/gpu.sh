@@ -63,7 +63,7 @@ suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
-  raw) suite bench$tag --levels 1,64,256 --targets raw --prefix-caching on ;;
+  raw) suite bench$tag --levels 1,64,256 --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;

@@ -11,7 +11,7 @@ from typing import Any
 from bench.client_processes import run_level_in_processes
 from bench.levels import NO_METERS, Meters, run_levels
 from bench.loadgen import run_level
-from bench.requesters import engine_requester, http_requester, load_client
+from bench.requesters import engine_requester, http_requester, load_client, open_connections
 from bench.workload import Workload
 from shared.engine import batch_token_budget, import_engine_modules, start_llm, stop_llm
 from shared.settings import Settings
@@ -63,6 +63,7 @@ async def bench_http(
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         if clients <= 1:
+            await open_connections(client, max(levels), api_key)  # as each client process does
             in_process = functools.partial(run_level, one)
             return await run_levels(in_process, workload, levels, rounds, repeat, meters)
     spawn = multiprocessing.get_context("spawn")

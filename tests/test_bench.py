@@ -5,16 +5,27 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+import uvicorn
 
 from bench.__main__ import main as bench_main
 from bench.levels import Meters, run_levels
-from bench.loadgen import Sample, summarise
+from bench.loadgen import Sample, run_level, summarise
 from bench.report import markdown_table
+from bench.requesters import http_requester, load_client
 from bench.servers import logged_batch_tokens, process_cpu_s
+from bench.targets import bench_http
 from bench.workload import Workload
+from shared.api import create_app
+from shared.settings import Settings
+from tests.conftest import free_port
+from tests.scripted import ScriptedEngine
 
 
 def test_process_cpu_counts_this_process_burning_cpu() -> None:
@@ -164,3 +175,43 @@ def test_importtime_summary_ranks_packages_and_modules_by_their_own_time() -> No
     report = importtime_summary.summary(rows, top=2)
     assert "4 modules, 0.00 s" in report
     assert report.index("torch") < report.index("vllm")  # 2.1 ms own against 0.8 ms
+
+
+# --- the load client against a real server ------------------------------------------------------
+@pytest.fixture(scope="module")
+def scripted_url() -> Iterator[str]:
+    """The app on the scripted engine under a real uvicorn."""
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(Settings(), engine=ScriptedEngine(auto=True)), port=free_port(), log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{server.config.port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("clients", [1, 2])
+def test_http_load_reads_every_token_and_usage(scripted_url: str, clients: int) -> None:
+    """The aiohttp load client (bench/requesters.py), from one process and from two."""
+    workload = Workload(prompt_tokens=8, output_tokens=5, vocab_size=1000)
+    (level,) = asyncio.run(bench_http(scripted_url, workload, [3], rounds=2, clients=clients))
+    assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
+    assert level["output_tokens"] == 16 * 5
+    assert level["ttft_s"]["p50"] > 0
+
+
+def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) -> None:
+    wrong = Workload(prompt_tokens=8, output_tokens=5, vocab_size=1000, model="not-served")
+
+    async def refused() -> dict:
+        async with load_client(scripted_url, 2) as client:
+            return await run_level(http_requester(client, wrong), wrong.prompts(2, "x"), 2)
+
+    level = asyncio.run(refused())
+    assert level["errors"] == 2 and all("HTTP 404" in kind for kind in level["error_kinds"])
