@@ -16,6 +16,7 @@ import asyncio
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from bench.specs import KINDS
 from bench.workload import Workload
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.redis_overhead import main as redis_main
 
         return redis_main(argv[1:])
+    if argv[:1] == ["merge"]:  # python -m bench merge OUT_DIR A/bench.json B/bench.json ...
+        return run_merge(argv[1:])
     if argv[:1] == ["startup"]:
         # Its own arguments, parsed by its own main: everything after the word goes there.
         return run_startup(argv[1:])
@@ -54,6 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
+    return 0
+
+
+def run_merge(argv: list[str]) -> int:
+    """Several runs' bench.json (a pair of GPUs, say) -> one bench.json/.md/.png in OUT_DIR."""
+    from bench.suite import merge_reports, write_report
+
+    if len(argv) < 2:
+        print("usage: python -m bench merge OUT_DIR REPORT.json [REPORT.json ...]", file=sys.stderr)
+        return 2
+    try:
+        report = merge_reports([Path(name) for name in argv[1:]])
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"python -m bench merge: {exc}", file=sys.stderr)
+        return 2
+    write_report(report, Path(argv[0]))
     return 0
 
 

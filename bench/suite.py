@@ -56,11 +56,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Targets run in separate invocations (a GPU lease splits them) add up in one report.
-    previous = out / "bench.json"
-    results: dict[str, Any] = (
-        orjson.loads(previous.read_bytes())["targets"] if args.merge and previous.exists() else {}
-    )
+    results: dict[str, Any] = {}
     for spec in specs:
         for caching in args.prefix_caching:
             name = spec.result_name(caching)
@@ -75,14 +71,39 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
         "workload": vars(workload),
         "repeat": args.repeat,
-        "targets": results,
+        # Targets run in separate invocations (a GPU lease splits them) add up in one report,
+        # read when this one ends: a run beside it on another GPU may have written meanwhile.
+        "targets": {**(previous_targets(out / "bench.json") if args.merge else {}), **results},
     }
+    write_report(report, out)
+    print(markdown_table(report))
+    return report
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """bench.json, and the table and chart made from it."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     (out / "bench.md").write_text(markdown_table(report))
     with contextlib.suppress(ImportError):
         plot(report, out / "bench.png")
-    print(markdown_table(report))
-    return report
+
+
+def previous_targets(report: Path) -> dict[str, Any]:
+    return orjson.loads(report.read_bytes())["targets"] if report.exists() else {}
+
+
+def merge_reports(paths: list[Path]) -> dict[str, Any]:
+    """One report from several runs of the same workload (e.g. one per GPU of a pair): every
+    target, a later file's winning where two have the same one; the newest date."""
+    reports = [orjson.loads(path.read_bytes()) for path in paths]
+    workloads = {orjson.dumps(report["workload"], option=orjson.OPT_SORT_KEYS) for report in reports}
+    if len(workloads) > 1:
+        raise ValueError("these reports ran different workloads; their targets cannot share a table")
+    merged = {**reports[0], "date": max(report["date"] for report in reports), "targets": {}}
+    for report in reports:
+        merged["targets"].update(report["targets"])
+    return merged
 
 
 def run_target(

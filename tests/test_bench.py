@@ -215,3 +215,28 @@ def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) ->
 
     level = asyncio.run(refused())
     assert level["errors"] == 2 and all("HTTP 404" in kind for kind in level["error_kinds"])
+
+
+def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
+    """`python -m bench merge`: a pair's two bench.json files -> one report; different
+    workloads cannot share a table (exit 2, one line)."""
+    import orjson
+
+    whole = orjson.loads((Path(__file__).parent.parent / "bench/results-h200/bench.json").read_bytes())
+    parts = []
+    for index, name in enumerate(["raw", "vllm_server"]):
+        part = {
+            **whole,
+            "date": f"2026-01-0{index + 1}T00:00:00+00:00",
+            "targets": {name: whole["targets"][name]},
+        }
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_bytes(orjson.dumps(part))
+    assert bench_main(["merge", str(tmp_path / "out"), *map(str, parts)]) == 0
+    merged = orjson.loads((tmp_path / "out/bench.json").read_bytes())
+    assert list(merged["targets"]) == ["raw", "vllm_server"] and merged["date"].startswith("2026-01-02")
+    assert "raw" in (tmp_path / "out/bench.md").read_text()
+
+    other = {**whole, "workload": {**whole["workload"], "output_tokens": 1}}
+    (tmp_path / "other.json").write_bytes(orjson.dumps(other))
+    assert bench_main(["merge", str(tmp_path / "x"), str(parts[0]), str(tmp_path / "other.json")]) == 2
