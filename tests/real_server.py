@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import orjson
 import psutil
 import pytest
 
 from bench import startup
 from bench.servers import wait_healthy
+from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from tests.conftest import free_port, long_chat
 
 START_TIMEOUT_S = 300  # a cold start on the busy 2-core box; ~20 s when quiet
@@ -84,6 +86,42 @@ def bundle_server(log_dir: Path, **settings: str) -> Iterator[ServerProcess]:
 def data_events(lines: Iterator[str]) -> list[str]:
     """The `data:` payloads of an SSE line iterator, to the end of the stream."""
     return [line[6:] for line in lines if line.startswith("data: ")]
+
+
+# From the kill to the process's exit: the watchdog's poll (0.25 s), the signal settle (0.2 s),
+# the error flush (at most 5 s), the 503 linger (2 s), uvicorn's shutdown and the engine's; the
+# bound leaves room for a busy 2-core box.
+ENGINE_DEATH_EXIT_BOUND_S = 30.0
+
+
+def kill_engine_core_mid_stream(server: ServerProcess, max_tokens: int) -> float:
+    """SIGKILL vLLM's engine core under a running anonymous stream and check what issue 18
+    asks: the stream ends with the error event and [DONE], a new request is refused with 503
+    (never a 200), /health is 503, the running-requests gauge is reset, and the server exits
+    with ENGINE_DEAD_EXIT_CODE. Returns the seconds from the kill to the exit."""
+    body = long_chat(max_tokens=max_tokens)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            server.engine_core().send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            rest = data_events(lines)
+        assert rest[-1] == "[DONE]"
+        error = orjson.loads(rest[-2])["error"]
+        assert error["code"] == "engine_unavailable", error
+
+        refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+        assert client.get("/health").status_code == 503
+        assert "bundle_engine_running_requests 0.0" in client.get("/metrics").text
+
+        code = server.wait(timeout=ENGINE_DEATH_EXIT_BOUND_S)
+    assert code == ENGINE_DEAD_EXIT_CODE, server.log.read_text()[-3000:]
+    return time.monotonic() - killed
 
 
 # --- one real start, shared: the start-up benchmark's start, ended by SIGTERM to its group -----

@@ -1,11 +1,8 @@
-"""Engine death: mid-stream on a fault-injecting engine (fast, exact), then on the REAL engine by
-killing vLLM's engine core process under a real server, which must then exit non-zero."""
+"""Engine death on a fault-injecting engine (fast, exact). The same on the REAL engine (vLLM's
+engine core SIGKILLed under a real server, which must then exit non-zero) is the last test of
+tests/test_replicas.py, on a replica whose engine the suite has already paid to start."""
 
 from __future__ import annotations
-
-import signal
-import time
-from pathlib import Path
 
 import httpx
 import orjson
@@ -14,14 +11,8 @@ import pytest
 from shared.api import create_app
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
-from tests.conftest import long_chat
 from tests.fakes import dying_engine
-from tests.real_server import bundle_server, data_events
 
-# From the kill to the process's exit: the watchdog's poll (0.25 s), the signal settle (0.2 s),
-# the error flush (at most 5 s), the 503 linger (2 s), uvicorn's shutdown and the engine's; the
-# bound leaves room for a busy 2-core box.
-EXIT_BOUND_S = 30.0
 exits: list[int] = []
 
 
@@ -76,29 +67,3 @@ async def test_after_death_a_new_stream_gets_503_before_any_200_and_the_server_a
             break
         await asyncio.sleep(0.05)
     assert exits == [ENGINE_DEAD_EXIT_CODE]
-
-
-def test_killing_the_real_engine_core_ends_streams_refuses_new_work_and_exits_non_zero(tmp_path: Path) -> None:
-    with bundle_server(tmp_path) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", "/v1/chat/completions", json=long_chat()) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            for _ in range(6):
-                next(lines)
-            server.engine_core().send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            rest = data_events(lines)
-        assert rest[-1] == "[DONE]"
-        error = orjson.loads(rest[-2])["error"]
-        assert error["code"] == "engine_unavailable", error
-
-        refused = client.post("/v1/chat/completions", json=long_chat())
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["error"]["code"] == "engine_unavailable"
-        assert client.get("/health").status_code == 503
-        assert "bundle_engine_running_requests 0.0" in client.get("/metrics").text
-
-        code = server.wait(timeout=EXIT_BOUND_S)
-        took = time.monotonic() - killed
-    assert code == ENGINE_DEAD_EXIT_CODE, server.log.read_text()[-3000:]
-    print(f"server exited {took:.1f} s after the engine core was killed")

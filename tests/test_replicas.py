@@ -3,7 +3,8 @@ real vLLM CPU engine, sharing one real Redis-protocol server (tests/redis_server
 
 One pair of replicas serves every scenario (two engines on a small machine are heavy), in this
 order: duplicates spread over both, resume on the other replica, cancel from the other replica,
-a store outage, and last the death of replica A (which ends it)."""
+a store outage, the death of replica A, and last the death of replica B's engine (which ends
+it)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from bench.servers import wait_healthy
 from shared.client import ResumableClient
 from shared.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import free_port, long_chat
+from tests.real_server import ServerProcess, kill_engine_core_mid_stream
 from tests.redis_server import RedisServer
 from tests.test_api import sse_events
 from tests.test_identity import CuttingTransport, read_events, sampled_chat, texts_of
@@ -287,3 +289,14 @@ async def test_followers_on_b_hear_that_replica_a_died(replicas: list[Replica]) 
     async with httpx.AsyncClient(timeout=60) as client:
         again = await client.post(f"{b.url}/v1/chat/completions", json=body, headers=headers)
     assert again.status_code == 410 and again.json()["error"]["code"] == "producer_lost"
+
+
+def test_killing_bs_engine_core_ends_its_streams_refuses_new_work_and_exits_non_zero(
+    replicas: list[Replica],
+) -> None:
+    """Engine death on the real engine (issue 18), on replica B once A is gone: the suite has
+    already paid for B's engine, so this needs no start of its own. The stream is anonymous,
+    so the store is not involved; B exits with ENGINE_DEAD_EXIT_CODE (checked inside)."""
+    b = replicas[1]
+    took = kill_engine_core_mid_stream(ServerProcess(b.process, b.url, b.log), max_tokens=LONG)
+    print(f"replica B exited {took:.1f} s after its engine core was killed")
