@@ -39,6 +39,8 @@ class Meters:
     # The bundle's admission: from a request's first byte read to its generation admitted (on
     # Python 3.12 the engine has it by then). The part of the above that the server itself sees.
     server_admission: HistogramCounter | None = None
+    # How late the bundle's event loop ran its 100 ms timer (shared/loop_lag.py): a busy loop.
+    server_loop_lag: HistogramCounter | None = None
     # Server counters reported per output token (name -> value so far), e.g. the identity
     # store's round trips; divided by the tokens the clients counted, not the server's own.
     per_token: Callable[[], dict[str, float]] | None = None
@@ -70,7 +72,11 @@ async def run_levels(
 async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, meters: Meters) -> dict:
     cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
     cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
-    histograms = {"server_ttft_mean_s": meters.server_ttft, "server_admission_mean_s": meters.server_admission}
+    histograms = {
+        "server_ttft_mean_s": meters.server_ttft,
+        "server_admission_mean_s": meters.server_admission,
+        "server_loop_lag_mean_s": meters.server_loop_lag,
+    }
     before = {name: (read, read()) for name, read in histograms.items() if read is not None}
     counted_before = meters.per_token() if meters.per_token else {}
     result = await run(prompts, level)
@@ -111,8 +117,9 @@ def median_run(runs: list[dict]) -> dict:
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
     if all("server_ttft_mean_s" in run for run in runs):
         chosen["runs_ttft_added_by_server_s"] = [run["ttft_mean_s"] - run["server_ttft_mean_s"] for run in runs]
-    if all("server_admission_mean_s" in run for run in runs):
-        chosen["runs_server_admission_mean_s"] = [run["server_admission_mean_s"] for run in runs]
+    for name in ("server_admission_mean_s", "server_loop_lag_mean_s"):
+        if all(name in run for run in runs):
+            chosen[f"runs_{name}"] = [run[name] for run in runs]
     if all("prefix_cache" in run for run in runs):
         chosen["runs_prefix_cache_hit_rate"] = [run["prefix_cache"]["hit_rate"] for run in runs]
     return chosen
@@ -136,7 +143,11 @@ def _ttft_split(level: dict) -> str:
     if "server_ttft_mean_s" not in level:
         return ""
     client, server = level["ttft_mean_s"] * 1000, level["server_ttft_mean_s"] * 1000
-    admission = level.get("server_admission_mean_s")
-    return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + (
-        f", admission mean {admission * 1000:.1f} ms" if admission is not None else ""
+    extras = [
+        f"{label} mean {level[name] * 1000:.1f} ms"
+        for name, label in (("server_admission_mean_s", "admission"), ("server_loop_lag_mean_s", "loop lag"))
+        if name in level
+    ]
+    return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + "".join(
+        f", {extra}" for extra in extras
     )

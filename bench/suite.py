@@ -142,6 +142,7 @@ def run_server(
             prefix_cache=stats_file_counter(stats) if bundle else None,
             server_ttft=histogram("bundle_time_to_first_token_seconds") if bundle else None,
             server_admission=histogram("bundle_admission_seconds") if bundle else None,
+            server_loop_lag=histogram("bundle_event_loop_lag_seconds") if bundle else None,
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(

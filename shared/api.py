@@ -33,6 +33,7 @@ from shared.headers import (
     parse_last_event_id,
     parse_request_id,
 )
+from shared.loop_lag import watch_loop_lag
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
@@ -91,10 +92,12 @@ async def _serving(
     _export_held_requests(service)
     app.state.service = service
     watchdog = asyncio.create_task(lifecycle.watch(service))
+    lag_watch = asyncio.create_task(watch_loop_lag(service.metrics.event_loop_lag))
     try:
         yield
     finally:
         watchdog.cancel()
+        lag_watch.cancel()
         lifecycle.close()
         await service.aclose()
 

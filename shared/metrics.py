@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 # Buckets cover a CPU test box (tens of ms) up to a cold, queued GPU (tens of seconds).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ADMISSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # A shared store on the same network answers in well under a millisecond; seconds mean trouble.
 _STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
@@ -33,6 +34,12 @@ class Metrics:
             "Request's first byte read to its generation admitted (or joined): the event loop's "
             "queue, parsing, validation and identity, before the first token can be waited for.",
             buckets=_ADMISSION_BUCKETS,
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "bundle_event_loop_lag_seconds",
+            "How much later than due the API's event loop ran a 100 ms timer (shared/loop_lag.py).",
+            buckets=_LOOP_LAG_BUCKETS,
             registry=r,
         )
         self.inter_token_latency = Histogram(

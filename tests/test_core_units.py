@@ -349,3 +349,22 @@ def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> 
     for settings in started:
         assert process.run_server(settings, lambda request_exit: FastAPI()) == 0
     assert [c.access_log for c in configs] == [False, True]
+
+
+async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
+    """A loop held for 0.3 s (a blocking call on it) shows as one lag sample of about that."""
+    import time
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from shared.loop_lag import watch_loop_lag
+
+    lag = Histogram("lag", "test", buckets=(0.01, 0.1, 1.0), registry=CollectorRegistry())
+    watcher = asyncio.create_task(watch_loop_lag(lag, interval_s=0.02))
+    await asyncio.sleep(0.1)
+    time.sleep(0.3)  # holds the loop, as a CPU-heavy request would
+    await asyncio.sleep(0.1)
+    watcher.cancel()
+    samples = {s.labels["le"]: s.value for s in lag.collect()[0].samples if s.name == "lag_bucket"}
+    assert samples["+Inf"] - samples["0.1"] >= 1  # the held turn: one sample above 0.1 s
+    assert samples["0.1"] >= 3  # the free turns around it: small
