@@ -362,7 +362,7 @@ async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
     lag = Histogram("lag", "test", buckets=(0.01, 0.1, 1.0), registry=CollectorRegistry())
     watcher = asyncio.create_task(watch_loop_lag(lag, interval_s=0.02))
     await asyncio.sleep(0.1)
-    time.sleep(0.3)  # holds the loop, as a CPU-heavy request would
+    time.sleep(0.3)  # noqa: ASYNC251 - on purpose: holds the loop, as a CPU-heavy request would
     await asyncio.sleep(0.1)
     watcher.cancel()
     samples = {s.labels["le"]: s.value for s in lag.collect()[0].samples if s.name == "lag_bucket"}
