@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +88,21 @@ def data_events(lines: Iterator[str]) -> list[str]:
     return [line[6:] for line in lines if line.startswith("data: ")]
 
 
+def act_mid_stream(
+    client: httpx.Client, body: dict, action: Callable[[], object], headers: dict[str, str] | None = None
+) -> tuple[list[str], float]:
+    """Start a stream, read its first events, run `action` (kill, signal...), read to the end:
+    the `data:` payloads after the action, and the time.monotonic() when it ran."""
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        action()
+        acted = time.monotonic()
+        return data_events(lines), acted
+
+
 # From the kill to the process's exit: the watchdog's poll (0.25 s), the signal settle (0.2 s),
 # the error flush (at most 5 s), the 503 linger (2 s), uvicorn's shutdown and the engine's; the
 # bound leaves room for a busy 2-core box.
@@ -101,14 +116,7 @@ def kill_engine_core_mid_stream(server: ServerProcess, max_tokens: int) -> float
     with ENGINE_DEAD_EXIT_CODE. Returns the seconds from the kill to the exit."""
     body = long_chat(max_tokens=max_tokens)
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            for _ in range(6):
-                next(lines)
-            server.engine_core().send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            rest = data_events(lines)
+        rest, killed = act_mid_stream(client, body, lambda: server.engine_core().send_signal(signal.SIGKILL))
         assert rest[-1] == "[DONE]"
         error = orjson.loads(rest[-2])["error"]
         assert error["code"] == "engine_unavailable", error
@@ -151,13 +159,9 @@ def sigterm_group_mid_stream(url: str, process: subprocess.Popen[bytes], log: Pa
     """Start a long stream, read its first events, SIGTERM the whole group, read to the end."""
     with httpx.Client(base_url=url, timeout=60) as client:
         headers = {"X-Request-Id": "group-signal"}
-        with client.stream("POST", "/v1/chat/completions", json=long_chat(), headers=headers) as response:
-            lines = response.iter_lines()
-            for _ in range(6):
-                next(lines)
-            os.killpg(process.pid, signal.SIGTERM)
-            signalled = time.monotonic()
-            rest = data_events(lines)
+        rest, signalled = act_mid_stream(
+            client, long_chat(), lambda: os.killpg(process.pid, signal.SIGTERM), headers
+        )
         code = process.wait(timeout=30)
     return GroupSigterm(rest, code, time.monotonic() - signalled, log)
 
