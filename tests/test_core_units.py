@@ -360,6 +360,29 @@ def test_the_lock_free_metrics_expose_exactly_what_prometheus_clients_own_do() -
         LoopCounter("d", "another", registry=CollectorRegistry()).inc(-1)
 
 
+def test_the_send_wrappers_a_stream_body_skips_are_the_ones_that_only_watch_its_start() -> None:
+    """EventStreamResponse writes body chunks to the server's own send, past the app's
+    middleware (shared/api.py says why). That is sound only while every middleware between
+    them passes body messages on unchanged: one that rewrites bodies (compression, say) added
+    here would silently miss every stream, so adding any middleware must come through here."""
+    from fastapi.middleware.asyncexitstack import AsyncExitStackMiddleware
+    from starlette.middleware.errors import ServerErrorMiddleware
+    from starlette.middleware.exceptions import ExceptionMiddleware
+
+    from shared.api import BearerAuth, create_app
+    from shared.headers import HeaderGuard
+
+    app = create_app(Settings(api_key="k"), engine=ScriptedEngine())
+    layer: Any = app.build_middleware_stack()
+    layers = []
+    while layer is not app.router:
+        layers.append(type(layer))
+        layer = layer.app
+    # AsyncExitStackMiddleware does not wrap send at all; FastAPI adds it inside its handlers.
+    expected = [ServerErrorMiddleware, HeaderGuard, BearerAuth, ExceptionMiddleware, AsyncExitStackMiddleware]
+    assert layers == expected
+
+
 def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmark runs the bundle without uvicorn's access log, as it runs vLLM's server
     (`--no-access-log`); a plain start keeps it."""
