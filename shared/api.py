@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 PUBLIC_PATHS = frozenset({"/health"})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SERVER_SEND_KEY = "bundle.server_send"  # the server's own ASGI send, in the scope (BundleApp)
 
 
 def create_app(
@@ -71,7 +72,7 @@ def create_app(
         async with engine_factory(settings) as opened, _serving(app, settings, opened, lifecycle):
             yield
 
-    app = FastAPI(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = BundleApp(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.lifecycle = lifecycle
     _install_error_handlers(app)
@@ -247,12 +248,18 @@ class EventStreamResponse(StreamingResponse):
 
     Starlette only finds out about a disconnect on its next write under ASGI 2.4; a generation
     still queued or in a long prefill writes nothing, so we also listen for `http.disconnect`.
+
+    Its body chunks (one per token and stream, the hottest path of the server) go to the
+    server's own `send` (`BundleApp` keeps it in the scope), past the send wrappers of
+    Starlette's and FastAPI's error handling: those only watch for `http.response.start`, which
+    still goes through them, and pass every body message on unchanged.
     """
 
     media_type = "text/event-stream"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streamer = asyncio.create_task(self._stream_quietly(send))
+        body_send: Send = scope.get(SERVER_SEND_KEY, send)
+        streamer = asyncio.create_task(self._stream_quietly(send, body_send))
         listener = asyncio.create_task(self.listen_for_disconnect(receive))
         done, _ = await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
         for task in (streamer, listener):
@@ -260,13 +267,29 @@ class EventStreamResponse(StreamingResponse):
                 task.cancel()
         await asyncio.gather(streamer, listener, return_exceptions=True)
 
-    async def _stream_quietly(self, send: Send) -> None:
+    async def _stream_quietly(self, send: Send, body_send: Send) -> None:
         try:
-            await self.stream_response(send)
+            await self._stream(send, body_send)
         except OSError:
             pass  # the client went away mid-write; the generator's finally has cleaned up
         finally:
             await _close(self.body_iterator)
+
+    async def _stream(self, send: Send, body_send: Send) -> None:
+        """Starlette's `stream_response` (our chunks are bytes already), body to `body_send`."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class BundleApp(FastAPI):
+    """The FastAPI app, keeping the server's own `send` in each request's scope for
+    `EventStreamResponse` (nothing else in the app needs or touches it)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND_KEY] = send
+        await super().__call__(scope, receive, send)
 
 
 async def _close(iterator: Any) -> None:

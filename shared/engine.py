@@ -61,9 +61,11 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (1.7 us
+# here against 0.25 for this one), once per token per stream; nothing writes to a delta.
+@dataclass(slots=True)
 class EngineDelta:
-    """New output of one choice since its previous delta."""
+    """New output of one choice since its previous delta (treat it as read-only)."""
 
     text: str
     token_count: int

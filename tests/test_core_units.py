@@ -331,6 +331,58 @@ def test_a_failing_engine_gauge_reads_nan_and_the_other_metrics_still_export() -
     assert "bundle_generation_tokens_total 3.0" in text
 
 
+def test_the_lock_free_metrics_expose_exactly_what_prometheus_clients_own_do() -> None:
+    """The per-token counter and histogram (shared/loop_metrics.py) against prometheus_client's
+    Counter and Histogram fed the same values: the same /metrics text, bar the creation times.
+    The values sit on, between, below and above the bounds."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from shared.loop_metrics import LoopCounter, LoopHistogram
+
+    bounds = (0.001, 0.0025, 0.01, 1, 2.5)
+    values = [0.0, 0.0005, 0.001, 0.002, 0.0025, 0.3, 1.0, 2.5, 2.6, 1e9, 0.001]
+
+    def exposition(counter_type: Any, histogram_type: Any) -> list[str]:
+        registry = CollectorRegistry()
+        counter = counter_type("c", "a counter", registry=registry)
+        histogram = histogram_type("h_seconds", "a histogram", buckets=bounds, registry=registry)
+        for value in values:
+            counter.inc(3)
+            histogram.observe(value)
+        counter.inc()
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if not line.startswith(("c_created ", "h_seconds_created "))]
+
+    ours = exposition(LoopCounter, LoopHistogram)
+    assert ours == exposition(Counter, Histogram)
+    assert "c_total 34.0" in ours and 'h_seconds_bucket{le="0.001"} 4.0' in ours
+    with pytest.raises(ValueError):
+        LoopCounter("d", "another", registry=CollectorRegistry()).inc(-1)
+
+
+def test_the_send_wrappers_a_stream_body_skips_are_the_ones_that_only_watch_its_start() -> None:
+    """EventStreamResponse writes body chunks to the server's own send, past the app's
+    middleware (shared/api.py says why). That is sound only while every middleware between
+    them passes body messages on unchanged: one that rewrites bodies (compression, say) added
+    here would silently miss every stream, so adding any middleware must come through here."""
+    from fastapi.middleware.asyncexitstack import AsyncExitStackMiddleware
+    from starlette.middleware.errors import ServerErrorMiddleware
+    from starlette.middleware.exceptions import ExceptionMiddleware
+
+    from shared.api import BearerAuth, create_app
+    from shared.headers import HeaderGuard
+
+    app = create_app(Settings(api_key="k"), engine=ScriptedEngine())
+    layer: Any = app.build_middleware_stack()
+    layers = []
+    while layer is not app.router:
+        layers.append(type(layer))
+        layer = layer.app
+    # AsyncExitStackMiddleware does not wrap send at all; FastAPI adds it inside its handlers.
+    expected = [ServerErrorMiddleware, HeaderGuard, BearerAuth, ExceptionMiddleware, AsyncExitStackMiddleware]
+    assert layers == expected
+
+
 def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmark runs the bundle without uvicorn's access log, as it runs vLLM's server
     (`--no-access-log`); a plain start keeps it."""
