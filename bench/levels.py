@@ -113,6 +113,9 @@ def median_run(runs: list[dict]) -> dict:
     chosen = dict(ordered[len(ordered) // 2])
     chosen["runs_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs]
     chosen["runs_ttft_p50_s"] = [run["ttft_s"]["p50"] for run in runs]
+    for wave in ("first_wave", "later"):
+        if all(f"ttft_{wave}_s" in run for run in runs):
+            chosen[f"runs_ttft_{wave}_p50_s"] = [run[f"ttft_{wave}_s"]["p50"] for run in runs]
     if all("serving_cpu_ms_per_token" in run for run in runs):
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
     if all("server_ttft_mean_s" in run for run in runs):
@@ -133,10 +136,18 @@ def _line(level: dict) -> str:
         f"TTFT p50 {level['ttft_s']['p50'] * 1000:7.1f} ms  ITL p50/p99 "
         f"{level['itl_s']['p50'] * 1000:.2f}/{level['itl_s']['p99'] * 1000:.2f} ms  "
         f"errors {level['errors']}"
+        + _waves(level)
         + (f"  serving CPU {cpu:.3f} ms/token" if cpu is not None else "")
         + (f"  prefix-cache hits {cache['hit_rate']:.1%}" if cache else "")
         + _ttft_split(level)
     )
+
+
+def _waves(level: dict) -> str:
+    if "ttft_first_wave_s" not in level:
+        return ""
+    first, later = level["ttft_first_wave_s"]["p50"] * 1000, level["ttft_later_s"]["p50"] * 1000
+    return f"  TTFT p50 first wave / later {first:.1f} / {later:.1f} ms"
 
 
 def _ttft_split(level: dict) -> str:

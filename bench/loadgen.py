@@ -34,6 +34,10 @@ class Sample:
     # Why it failed (status and the start of the body, or the exception): a benchmark that
     # counts errors must also say what they were.
     error: str = ""
+    # Among the level's first `concurrency` requests, which all start at once (a burst); the
+    # later ones start one by one as earlier ones finish. Their TTFTs differ in kind: a p50 over
+    # both can sit between the two groups and jump from run to run.
+    first_wave: bool = False
 
 
 # One request: prompt token ids -> its timeline.
@@ -71,6 +75,8 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "requests_per_s": len(good) / wall_s if wall_s else 0.0,
         "ttft_s": percentiles([s.first_token_s for s in good]),
         "ttft_mean_s": statistics.fmean(s.first_token_s for s in good) if good else 0.0,
+        "ttft_first_wave_s": percentiles([s.first_token_s for s in good if s.first_wave]),
+        "ttft_later_s": percentiles([s.first_token_s for s in good if not s.first_wave]),
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
         **prefix_cache_summary(good),
@@ -108,4 +114,7 @@ async def gather_limited(one_request: Requester, prompts: list[list[int]], concu
         async with gate:
             return await one_request(prompt)
 
-    return list(await asyncio.gather(*(limited(p) for p in prompts)))
+    samples = list(await asyncio.gather(*(limited(p) for p in prompts)))
+    for sample in samples[:concurrency]:
+        sample.first_wave = True
+    return samples

@@ -240,3 +240,17 @@ def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
     other = {**whole, "workload": {**whole["workload"], "output_tokens": 1}}
     (tmp_path / "other.json").write_bytes(orjson.dumps(other))
     assert bench_main(["merge", str(tmp_path / "x"), str(parts[0]), str(tmp_path / "other.json")]) == 2
+
+
+def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -> None:
+    """A level sends `concurrency` requests at once, then one per finished request: their TTFTs
+    are reported apart (a p50 over both can straddle the two groups)."""
+    from bench.loadgen import gather_limited
+
+    async def one(prompt: list[int]) -> Sample:
+        return Sample(True, first_token_s=prompt[0] / 1000, total_s=1.0, output_tokens=1)
+
+    samples = asyncio.run(gather_limited(one, [[1]] * 4 + [[9]] * 4, concurrency=4))
+    assert [s.first_wave for s in samples] == [True] * 4 + [False] * 4
+    level = summarise(4, samples, 1.0)
+    assert level["ttft_first_wave_s"]["p50"] == 0.001 and level["ttft_later_s"]["p50"] == 0.009
