@@ -68,7 +68,7 @@ async def _client_share(
     api_key: str | None,
     request_ids: bool,
 ) -> tuple[list[dict[str, Any]], float]:
-    async with load_client(url, concurrency) as client:
+    async with load_client(url) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))

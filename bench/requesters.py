@@ -25,11 +25,10 @@ COMPLETIONS = "/v1/completions"
 
 
 def load_client(
-    url: str, connections: int, read_timeout_s: float = 600.0, connect_timeout_s: float = 30.0
+    url: str, read_timeout_s: float = 600.0, connect_timeout_s: float = 30.0
 ) -> aiohttp.ClientSession:
-    """An HTTP client for load: no connection cap, idle connections kept for reuse, long reads.
-    `connections` is the concurrency it is built for (aiohttp keeps every idle one)."""
-    del connections  # aiohttp's pool keeps all idle connections; nothing to size
+    """An HTTP client for load: no connection cap, every idle connection kept for reuse, long
+    reads (unlike httpx's pool, aiohttp's needs no size for the concurrency it will serve)."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=600)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
     return aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout)

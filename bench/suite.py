@@ -181,7 +181,7 @@ async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]
         seed=workload.seed,
         model=workload.model,
     )
-    async with load_client(url, streams, read_timeout_s=900.0, connect_timeout_s=60.0) as c:
+    async with load_client(url, read_timeout_s=900.0, connect_timeout_s=60.0) as c:
         one = http_requester(c, long)
         started = time.perf_counter()
         samples = await asyncio.gather(*(one(p) for p in long.prompts(streams, "capacity")))

@@ -59,7 +59,7 @@ async def bench_http(
     request_ids: bool = False,
 ) -> list[dict]:
     """`request_ids`: every request carries its own X-Request-Id (identity's cost included)."""
-    async with load_client(url, max(levels)) as client:
+    async with load_client(url) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         if clients <= 1:

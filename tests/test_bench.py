@@ -210,7 +210,7 @@ def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) ->
     wrong = Workload(prompt_tokens=8, output_tokens=5, vocab_size=1000, model="not-served")
 
     async def refused() -> dict:
-        async with load_client(scripted_url, 2) as client:
+        async with load_client(scripted_url) as client:
             return await run_level(http_requester(client, wrong), wrong.prompts(2, "x"), 2)
 
     level = asyncio.run(refused())
