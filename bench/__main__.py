@@ -4,6 +4,7 @@
     python -m bench http --url http://127.0.0.1:8000
     python -m bench startup ...                   # start-up benchmark (bench/startup.py)
     python -m bench redis --levels 1,8,32,128     # cost of BUNDLE_REDIS_URL (bench/redis_overhead.py)
+    python -m bench timelines OUT/timelines.json --against raw   # TTFT by wave (bench/timelines.py)
 
 Engine settings come from the usual BUNDLE_* variables (the tiny CPU model by default; on a
 GPU e.g. BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy).
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.redis_overhead import main as redis_main
 
         return redis_main(argv[1:])
+    if argv[:1] == ["timelines"]:
+        from bench.timelines import main as timelines_main
+
+        return timelines_main(argv[1:])
     if argv[:1] == ["merge"]:  # python -m bench merge OUT_DIR A/bench.json B/bench.json ...
         return run_merge(argv[1:])
     if argv[:1] == ["startup"]:

@@ -109,8 +109,11 @@ def requests_per_level(level: int, rounds: int) -> int:
 def median_run(runs: list[dict]) -> dict:
     """The run with the median throughput, carrying every run's figures beside it: on a
     noisy machine one run per level says little."""
+    # Every request's timeline, per run: for bench.timelines, which keeps them out of bench.json.
+    timelines = [run.pop("timeline_ms", []) for run in runs]
     ordered = sorted(runs, key=lambda run: run["output_tokens_per_s"])
     chosen = dict(ordered[len(ordered) // 2])
+    chosen["runs_timeline_ms"] = timelines
     chosen["runs_output_tokens_per_s"] = [run["output_tokens_per_s"] for run in runs]
     chosen["runs_ttft_p50_s"] = [run["ttft_s"]["p50"] for run in runs]
     for wave in ("first_wave", "later"):

@@ -38,6 +38,8 @@ class Sample:
     # later ones start one by one as earlier ones finish. Their TTFTs differ in kind: a p50 over
     # both can sit between the two groups and jump from run to run.
     first_wave: bool = False
+    # When it started, seconds from its level's start (its client process's, for several).
+    started_s: float = 0.0
 
 
 # One request: prompt token ids -> its timeline.
@@ -80,7 +82,23 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
         **prefix_cache_summary(good),
+        "timeline_ms": timeline_ms(samples),
     }
+
+
+def timeline_ms(samples: list[Sample]) -> list[list[float]]:
+    """Every request as [started, first token, end] in ms from the level's start (first token
+    -1 for a failed one), in start order: what a percentile hides, e.g. which part of a burst
+    a target is slower for. Kept out of bench.json (see bench.timelines)."""
+    rows = [
+        [
+            round(s.started_s * 1000, 1),
+            round((s.started_s + s.first_token_s) * 1000, 1) if s.ok else -1.0,
+            round((s.started_s + s.total_s) * 1000, 1),
+        ]
+        for s in samples
+    ]
+    return sorted(rows)
 
 
 def prefix_cache_summary(samples: list[Sample]) -> dict[str, Any]:
@@ -109,10 +127,14 @@ async def run_level(one_request: Requester, prompts: list[list[int]], concurrenc
 
 async def gather_limited(one_request: Requester, prompts: list[list[int]], concurrency: int) -> list[Sample]:
     gate = asyncio.Semaphore(concurrency)
+    level_started = time.perf_counter()
 
     async def limited(prompt: list[int]) -> Sample:
         async with gate:
-            return await one_request(prompt)
+            started = time.perf_counter()
+            sample = await one_request(prompt)
+            sample.started_s = started - level_started
+            return sample
 
     samples = list(await asyncio.gather(*(limited(p) for p in prompts)))
     for sample in samples[:concurrency]:

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import orjson
 
+from bench import timelines
 from bench.levels import Meters
 from bench.servers import bundle_command, free_port, process_cpu_s, running_server
 from bench.targets import bench_http
@@ -52,6 +53,8 @@ def main(argv: list[str]) -> int:
             )
             for target in TARGETS
         }
+    by_target = {target: {"levels": levels} for target, levels in results.items()}
+    timelines.write(out, timelines.split_off(by_target), merge=False)
     report = {
         "schema": "bundle-redis-overhead/1",
         "machine": args.machine,

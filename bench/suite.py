@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from bench import timelines
 from bench.levels import Meters
 from bench.loadgen import summarise
 from bench.plot import plot
@@ -64,6 +65,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             results[name] = run_target(spec, caching, workload, args, out)
             results[name]["seconds"] = time.perf_counter() - started
+    timelines.write(out, timelines.split_off(results), merge=args.merge)
     report = {
         "schema": "bundle-bench/2",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -186,6 +188,7 @@ async def capacity(url: str, workload: Workload, streams: int) -> dict[str, Any]
         started = time.perf_counter()
         samples = await asyncio.gather(*(one(p) for p in long.prompts(streams, "capacity")))
         result = summarise(streams, list(samples), time.perf_counter() - started)
+        result.pop("timeline_ms")  # one burst: its summary says it all
     print(
         f"capacity: {streams} streams, {result['errors']} failed, ITL p99 "
         f"{result['itl_s']['p99'] * 1000:.2f} ms",

@@ -204,6 +204,13 @@ def test_http_load_reads_every_token_and_usage(scripted_url: str, clients: int) 
     assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
     assert level["output_tokens"] == 16 * 5
     assert level["ttft_s"]["p50"] > 0
+    # Every request's [started, first token, end], kept for bench.timelines: 3 start at once,
+    # each later one only when an earlier one has ended.
+    [rows] = level["runs_timeline_ms"]
+    assert len(rows) == 16 and all(start < first <= end for start, first, end in rows)
+    ends = sorted(end for _, _, end in rows)
+    if clients == 1:
+        assert all(start >= ends[i] for i, (start, _, _) in enumerate(rows[3:]))
 
 
 def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) -> None:
@@ -215,6 +222,27 @@ def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) ->
 
     level = asyncio.run(refused())
     assert level["errors"] == 2 and all("HTTP 404" in kind for kind in level["error_kinds"])
+
+
+def test_timelines_leave_the_report_for_their_own_file_and_are_read_by_wave(tmp_path: Path, capsys) -> None:
+    from bench import timelines
+
+    def level(concurrency: int, delay_ms: float) -> dict:
+        burst = [[0.0, 100.0 * (i + 1) + delay_ms * i, 900.0] for i in range(concurrency)]
+        later = [[900.0, 950.0 + delay_ms, 1800.0]] * concurrency
+        return {"concurrency": concurrency, "runs_timeline_ms": [burst + later] * 3}
+
+    targets = {"raw": {"levels": [level(4, 0)]}, "bundle": {"levels": [level(4, 10)]}}
+    taken = timelines.split_off(targets)
+    assert "runs_timeline_ms" not in targets["raw"]["levels"][0] and set(taken) == {"raw", "bundle"}
+    timelines.write(tmp_path, {"raw": taken["raw"]}, merge=False)
+    timelines.write(tmp_path, {"bundle": taken["bundle"]}, merge=True)  # a second run beside it
+    assert bench_main(["timelines", str(tmp_path / "timelines.json"), "--against", "raw"]) == 0
+    out = capsys.readouterr().out
+    # The bundle's delay grows along the burst (+0, +10, +20, +30 ms by quarter) and is +10 later.
+    assert "first wave q1   100.0 (+0.0)" in out and "first wave q4   430.0 (+30.0)" in out
+    assert "later    60.0 (+10.0)" in out
+    assert bench_main(["timelines", str(tmp_path / "missing.json")]) == 2
 
 
 def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
