@@ -54,8 +54,12 @@ machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
 # Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
 # result folders (bench-c8, ...) so that two counts can be run side by side and compared.
 clients=${BENCH_CLIENTS:-4}
-tag=$([ "$clients" = 4 ] || echo "-c$clients")
-common=(--rounds 2 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
+tag=${BENCH_TAG-$([ "$clients" = 4 ] || echo "-c$clients")}  # BENCH_TAG=-b: a second run's own folder
+# 3 rounds: a level's p50 TTFT then falls among the requests that start one by one (sustained
+# load), not on the edge between them and the opening burst, where it flips between two engine
+# steps (~600 / ~780 ms at 256 streams) from run to run; see bench/timelines.py.
+rounds=${BENCH_ROUNDS:-3}
+common=(--rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift
@@ -97,6 +101,11 @@ case "$stage" in
   profile)
     mkdir -p bench/gpu-results
     spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
+    if [ -z "$spy" ] && ls .whl/py_spy-*.whl > /dev/null 2>&1; then
+      # pip --target leaves an existing bin/ alone (vLLM's install made one): take the binary out
+      python3 -m zipfile -e .whl/py_spy-*.whl /tmp/py-spy && spy=$(find /tmp/py-spy -name py-spy -type f | head -1)
+      [ -n "$spy" ] && chmod +x "$spy"
+    fi
     [ -n "$spy" ] || { echo "py-spy not found: send .whl with its wheel (see the header)"; exit 2; }
     python3 -m shared.serve --port 8400 --no-access-log > bench/gpu-results/profile-server.log 2>&1 &
     server=$!

@@ -44,6 +44,11 @@ def _ratio_label(mine: str, other: str) -> str:
     return f"{mine}: prefix cache on/off" if other == mine + NO_PREFIX_CACHE else f"{mine} / {other}"
 
 
+def _rounds(report: dict[str, Any]) -> str:
+    rounds = report.get("rounds")
+    return f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else ""
+
+
 def _footer(report: dict[str, Any], names: list[str]) -> list[str]:
     targets, workload = report["targets"], report["workload"]
     prefix = workload.get("shared_prefix_tokens", 0)
@@ -51,7 +56,9 @@ def _footer(report: dict[str, Any], names: list[str]) -> list[str]:
         f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
         + (f"{prefix} shared prefix tokens + " if prefix else "")
         + f"{workload['prompt_tokens']} unique prompt tokens, {workload['output_tokens']} output tokens "
-        f"(ignore_eos), temperature 0; median of {report.get('repeat', 1)} runs per level."
+        f"(ignore_eos), temperature 0; "
+        + _rounds(report)
+        + f"median of {report.get('repeat', 1)} runs per level."
     ]
     budgets = {t: targets[t].get("max_num_batched_tokens") for t in names}
     if any(budgets.values()):

@@ -73,6 +73,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "model": settings.model if not settings.uses_tiny_model else f"tiny:{settings.tiny_model_shape}",
         "workload": vars(workload),
         "repeat": args.repeat,
+        "rounds": args.rounds,
         # Targets run in separate invocations (a GPU lease splits them) add up in one report,
         # read when this one ends: a run beside it on another GPU may have written meanwhile.
         "targets": {**(previous_targets(out / "bench.json") if args.merge else {}), **results},
@@ -99,7 +100,8 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
     """One report from several runs of the same workload (e.g. one per GPU of a pair): every
     target, a later file's winning where two have the same one; the newest date."""
     reports = [orjson.loads(path.read_bytes()) for path in paths]
-    workloads = {orjson.dumps(report["workload"], option=orjson.OPT_SORT_KEYS) for report in reports}
+    runs = [[report["workload"], report.get("rounds")] for report in reports]
+    workloads = {orjson.dumps(run, option=orjson.OPT_SORT_KEYS) for run in runs}
     if len(workloads) > 1:
         raise ValueError("these reports ran different workloads; their targets cannot share a table")
     merged = {**reports[0], "date": max(report["date"] for report in reports), "targets": {}}
