@@ -598,6 +598,65 @@ def test_admission_is_timed_from_the_first_byte_read(bounded_server: tuple[str, 
     assert 0.3 <= seconds - seconds_before < 10
 
 
+def _chat_head(body: bytes, *extra: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body) + b"".join(extra) + b"\r\n"
+    )
+
+
+def test_a_body_that_arrives_after_its_head_is_read_whole(bounded_server: tuple[str, int]) -> None:
+    """A small request's task starts when its body is complete (shared/http_limits.py): a body
+    sent 0.3 s after the head, in two parts, is still read whole."""
+    body = orjson.dumps(VALID_CHAT)
+    head = _chat_head(body, b"Connection: close\r\n")
+    reply = _raw_exchange(bounded_server, [head, body[:10], body[10:]], pause_s=0.3)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert b"[DONE]" in reply or b'"choices"' in reply
+
+
+def test_a_client_that_waits_for_100_continue_gets_it_and_its_answer(bounded_server: tuple[str, int]) -> None:
+    """Expect: 100-continue: the body comes only after the server's 100, so its task must not
+    wait for the body first."""
+    body = orjson.dumps(VALID_CHAT)
+    with socket.create_connection(bounded_server, timeout=10) as sock:
+        sock.sendall(_chat_head(body, b"Expect: 100-continue\r\n", b"Connection: close\r\n"))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+
+
+def test_pipelined_and_chunked_requests_are_answered_in_order(bounded_server: tuple[str, int]) -> None:
+    body = orjson.dumps({**VALID_CHAT, "max_tokens": 2})
+    chunked = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n"
+        % (len(body), body)
+    )
+    # Three requests in one write: a health check, a sized chat and a chunked chat.
+    reply = _raw_exchange(
+        bounded_server, [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + _chat_head(body) + body + chunked]
+    )
+    assert reply.count(b"HTTP/1.1 200") == 3, reply[:600]
+    assert reply.index(b'{"status":"ok"}') < reply.index(b'"choices"')
+
+
+def test_a_connection_lost_mid_body_leaves_the_server_serving(bounded_server: tuple[str, int]) -> None:
+    body = orjson.dumps(VALID_CHAT)
+    with socket.create_connection(bounded_server, timeout=10) as sock:
+        sock.sendall(_chat_head(body) + body[:5])  # and gone
+    with httpx.Client(base_url=f"http://{bounded_server[0]}:{bounded_server[1]}", timeout=10) as client:
+        assert client.get("/health").status_code == 200
+        reply = client.post(
+            "/v1/chat/completions", json=VALID_CHAT, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        assert reply.status_code == 200, reply.text
+
+
 def test_keep_alive_requests_are_each_bounded(bounded_server: tuple[str, int]) -> None:
     with httpx.Client(base_url=f"http://{bounded_server[0]}:{bounded_server[1]}", timeout=10) as client:
         for _ in range(3):
