@@ -64,7 +64,7 @@ common=(--rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 12800
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift
   python3 -m bench suite "${common[@]}" --out "bench/gpu-results/$name" "$@"
-  mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
+  mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/timelines.json bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
   raw) suite bench$tag --levels 1,64,256 --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
