@@ -59,6 +59,7 @@ tag=${BENCH_TAG-$([ "$clients" = 4 ] || echo "-c$clients")}  # BENCH_TAG=-b: a s
 # load), not on the edge between them and the opening burst, where it flips between two engine
 # steps (~600 / ~780 ms at 256 streams) from run to run; see bench/timelines.py.
 rounds=${BENCH_ROUNDS:-3}
+levels=${BENCH_LEVELS:-1,64,256}  # e.g. BENCH_LEVELS=64,256 when a lease's time is short
 common=(--rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
@@ -67,9 +68,9 @@ suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/timelines.json bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in
-  raw) suite bench$tag --levels 1,64,256 --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
-  bundle) suite bench$tag --levels 1,64,256 --targets bundle --prefix-caching on --merge ;;
-  vllm) suite bench$tag --levels 1,64,256 --targets vllm_server --prefix-caching on --merge ;;
+  raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
+  bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
+  vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;
