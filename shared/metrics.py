@@ -33,8 +33,9 @@ class Metrics:
         )
         self.admission = Histogram(
             "bundle_admission_seconds",
-            "Request's first byte read to its generation admitted (or joined): the event loop's "
-            "queue, parsing, validation and identity, before the first token can be waited for.",
+            "Request's first byte read to its generation admitted (or joined): parsing, validation "
+            "and identity, plus the event loop's queue for a request whose task could not start at "
+            "once (a large or streamed body; see shared/http_limits.py).",
             buckets=_ADMISSION_BUCKETS,
             registry=r,
         )
