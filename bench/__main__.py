@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         model=args.model,
         shared_prefix_tokens=args.shared_prefix_tokens,
+        request_rate=args.request_rate,
     )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
@@ -131,6 +132,14 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per level; the median run is reported")
     p.add_argument("--seed", type=int, default=0, help="prompts are a function of this and the batch")
     p.add_argument(
+        "--request-rate",
+        type=_positive_rate,
+        default=None,
+        help="open loop: requests start as a Poisson process at this many per second, a level "
+        "only caps how many are in flight (default: closed loop, each level's requests at once, "
+        "then one as each ends)",
+    )
+    p.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
@@ -150,6 +159,16 @@ def _on_off_list(text: str) -> list[bool]:
     if not words or any(word not in modes for word in words):
         raise argparse.ArgumentTypeError(f"expected on, off or on,off, not {text!r}")
     return [modes[word] for word in words]
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < rate < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests per second: {text!r}")
+    return rate
 
 
 if __name__ == "__main__":

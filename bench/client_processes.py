@@ -28,6 +28,7 @@ def run_level_in_processes(
 ) -> dict[str, Any]:
     clients = max(1, min(clients, concurrency))
     start_at = time.time() + 3.0  # every process starts its share at the same instant
+    arrivals = workload.arrival_offsets(prompts)  # an open loop: each process sends its share on time
     futures = [
         pool.submit(
             _client_process,
@@ -38,6 +39,7 @@ def run_level_in_processes(
             start_at,
             api_key,
             request_ids,
+            arrivals[i::clients] if arrivals is not None else None,
         )
         for i in range(clients)
     ]
@@ -55,8 +57,10 @@ def _client_process(
     start_at: float,
     api_key: str | None,
     request_ids: bool,
+    arrivals: list[float] | None,
 ) -> tuple[list[dict[str, Any]], float]:
-    return asyncio.run(_client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids))
+    share = _client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids, arrivals)
+    return asyncio.run(share)
 
 
 async def _client_share(
@@ -67,11 +71,12 @@ async def _client_share(
     start_at: float,
     api_key: str | None,
     request_ids: bool,
+    arrivals: list[float] | None,
 ) -> tuple[list[dict[str, Any]], float]:
     async with load_client(url) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        samples = await gather_limited(one, prompts, concurrency)
+        samples = await gather_limited(one, prompts, concurrency, arrivals)
         end = time.time()
     return [asdict(s) for s in samples], end

@@ -60,7 +60,9 @@ tag=${BENCH_TAG-$([ "$clients" = 4 ] || echo "-c$clients")}  # BENCH_TAG=-b: a s
 # steps (~600 / ~780 ms at 256 streams) from run to run; see bench/timelines.py.
 rounds=${BENCH_ROUNDS:-3}
 levels=${BENCH_LEVELS:-1,64,256}  # e.g. BENCH_LEVELS=64,256 when a lease's time is short
-common=(--rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
+rate=()  # BENCH_RATE=35: an open loop at 35 requests/s (a level caps those in flight)
+if [ -n "${BENCH_RATE:-}" ]; then rate=(--request-rate "$BENCH_RATE"); fi
+common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift

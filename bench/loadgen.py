@@ -77,12 +77,22 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "requests_per_s": len(good) / wall_s if wall_s else 0.0,
         "ttft_s": percentiles([s.first_token_s for s in good]),
         "ttft_mean_s": statistics.fmean(s.first_token_s for s in good) if good else 0.0,
-        "ttft_first_wave_s": percentiles([s.first_token_s for s in good if s.first_wave]),
-        "ttft_later_s": percentiles([s.first_token_s for s in good if not s.first_wave]),
+        **_waves(good),
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
         **prefix_cache_summary(good),
         "timeline_ms": timeline_ms(samples),
+    }
+
+
+def _waves(good: list[Sample]) -> dict[str, Any]:
+    """TTFT of the opening burst and of the later requests, apart (closed loop only: an open
+    loop has no burst)."""
+    if not any(s.first_wave for s in good):
+        return {}
+    return {
+        "ttft_first_wave_s": percentiles([s.first_token_s for s in good if s.first_wave]),
+        "ttft_later_s": percentiles([s.first_token_s for s in good if not s.first_wave]),
     }
 
 
@@ -118,25 +128,40 @@ def cache_counts(queries: int, hits: int) -> dict[str, Any]:
     return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
 
 
-async def run_level(one_request: Requester, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
-    """Start all requests of a level with at most `concurrency` in flight."""
+async def run_level(
+    one_request: Requester,
+    prompts: list[list[int]],
+    concurrency: int,
+    arrivals: list[float] | None = None,
+) -> dict[str, Any]:
+    """Start all requests of a level with at most `concurrency` in flight (and, given
+    `arrivals`, each no earlier than its offset from the level's start: an open loop)."""
     started = time.perf_counter()
-    samples = await gather_limited(one_request, prompts, concurrency)
+    samples = await gather_limited(one_request, prompts, concurrency, arrivals)
     return summarise(concurrency, samples, time.perf_counter() - started)
 
 
-async def gather_limited(one_request: Requester, prompts: list[list[int]], concurrency: int) -> list[Sample]:
+async def gather_limited(
+    one_request: Requester,
+    prompts: list[list[int]],
+    concurrency: int,
+    arrivals: list[float] | None = None,
+) -> list[Sample]:
     gate = asyncio.Semaphore(concurrency)
     level_started = time.perf_counter()
 
-    async def limited(prompt: list[int]) -> Sample:
-        async with gate:
+    async def limited(prompt: list[int], due_s: float | None) -> Sample:
+        if due_s is not None:
+            await asyncio.sleep(due_s - (time.perf_counter() - level_started))
+        async with gate:  # a request's clock starts when it is sent, as in `vllm bench serve`
             started = time.perf_counter()
             sample = await one_request(prompt)
             sample.started_s = started - level_started
             return sample
 
-    samples = list(await asyncio.gather(*(limited(p) for p in prompts)))
-    for sample in samples[:concurrency]:
-        sample.first_wave = True
+    offsets: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(prompts)
+    samples = list(await asyncio.gather(*(limited(p, at) for p, at in zip(prompts, offsets, strict=True))))
+    if arrivals is None:  # a closed loop opens with a burst
+        for sample in samples[:concurrency]:
+            sample.first_wave = True
     return samples

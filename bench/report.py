@@ -46,7 +46,9 @@ def _ratio_label(mine: str, other: str) -> str:
 
 def _rounds(report: dict[str, Any]) -> str:
     rounds = report.get("rounds")
-    return f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else ""
+    rate = report["workload"].get("request_rate")
+    loop = f"open loop, {rate:g} requests/s (Poisson), the level a cap on those in flight; " if rate else ""
+    return loop + (f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else "")
 
 
 def _footer(report: dict[str, Any], names: list[str]) -> list[str]:

@@ -54,6 +54,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         model=settings.model_name,
         shared_prefix_tokens=args.shared_prefix_tokens,
+        request_rate=args.request_rate,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,9 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
     """One report from several runs of the same workload (e.g. one per GPU of a pair): every
     target, a later file's winning where two have the same one; the newest date."""
     reports = [orjson.loads(path.read_bytes()) for path in paths]
-    runs = [[report["workload"], report.get("rounds")] for report in reports]
+    # A report from before a workload field existed ran that field's default.
+    defaults = vars(Workload())
+    runs = [[{**defaults, **report["workload"]}, report.get("rounds")] for report in reports]
     workloads = {orjson.dumps(run, option=orjson.OPT_SORT_KEYS) for run in runs}
     if len(workloads) > 1:
         raise ValueError("these reports ran different workloads; their targets cannot share a table")

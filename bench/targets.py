@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from bench.client_processes import run_level_in_processes
-from bench.levels import NO_METERS, Meters, run_levels
-from bench.loadgen import run_level
+from bench.levels import NO_METERS, LevelRunner, Meters, run_levels
+from bench.loadgen import Requester, run_level
 from bench.requesters import engine_requester, http_requester, load_client, open_connections
 from bench.workload import Workload
 from shared.engine import batch_token_budget, import_engine_modules, start_llm, stop_llm
 from shared.settings import Settings
 
 WARM_UP_REQUESTS = 4  # graphs, caches, connections; their prompts are a batch of their own
+
+
+def scheduled(one: Requester, workload: Workload) -> LevelRunner:
+    """A level runner for one process: the workload's arrival schedule (open loop) or none."""
+
+    async def level(prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
+        return await run_level(one, prompts, concurrency, workload.arrival_offsets(prompts))
+
+    return level
 
 
 def import_engine() -> None:
@@ -38,9 +46,7 @@ async def bench_raw(
         # detokenizing) runs as it does in a server's API process, minus HTTP.
         meters = Meters(serving_cpu=time.process_time)
         return {
-            "levels": await run_levels(
-                functools.partial(run_level, one), workload, levels, rounds, repeat, meters
-            ),
+            "levels": await run_levels(scheduled(one, workload), workload, levels, rounds, repeat, meters),
             "max_num_batched_tokens": batch_token_budget(llm),
         }
     finally:
@@ -64,8 +70,7 @@ async def bench_http(
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         if clients <= 1:
             await open_connections(client, max(levels), api_key)  # as each client process does
-            in_process = functools.partial(run_level, one)
-            return await run_levels(in_process, workload, levels, rounds, repeat, meters)
+            return await run_levels(scheduled(one, workload), workload, levels, rounds, repeat, meters)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=clients, mp_context=spawn) as pool:
 

@@ -46,7 +46,9 @@ def write(out: Path, timelines: dict[str, dict[str, list]], merge: bool) -> None
 
 
 def wave_summary(rows: list[list[float]], concurrency: int) -> dict[str, float]:
-    """Mean TTFT (ms) of the first wave by quarter of start order, and of the later requests."""
+    """Mean TTFT (ms) of the first wave by quarter of start order, and of the later requests.
+    (In an open loop, `--request-rate`, there is no burst: the "first wave" is then just the
+    level's first `concurrency` arrivals.)"""
     ok = [row for row in rows if row[1] >= 0]
     first, later = ok[:concurrency], ok[concurrency:]
     summary: dict[str, float] = {}

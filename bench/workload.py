@@ -29,6 +29,11 @@ class Workload:
     # Tokens of a prefix common to every prompt (0: none). `prompt_tokens` is then the unique
     # suffix after it.
     shared_prefix_tokens: int = 0
+    # None: a closed loop (a level's `concurrency` requests at once, then one each time one
+    # ends). A number: an open loop, requests starting as a Poisson process at this many per
+    # second, a level's concurrency only a cap (as `vllm bench serve --request-rate`): arrivals
+    # do not wait for completions, so a target's speed cannot shift when the next one comes.
+    request_rate: float | None = None
 
     def prompts(self, count: int, batch: str) -> list[list[int]]:
         """`count` prompts for the batch called `batch` (e.g. "c64/r2"): the same ids for every
@@ -41,6 +46,18 @@ class Workload:
     def shared_prefix(self) -> list[int]:
         """The common prefix (the same in every batch), empty when the workload has none."""
         return self._ids(random.Random(f"{self.seed}/shared-prefix"), self.shared_prefix_tokens)
+
+    def arrival_offsets(self, prompts: list[list[int]]) -> list[float] | None:
+        """Seconds from a level's start at which each of `prompts` is sent (open loop), or None
+        (closed loop). Seeded by the batch's own prompts: every target gets the same schedule."""
+        if self.request_rate is None:
+            return None
+        rng = random.Random(f"{self.seed}/arrivals/{len(prompts)}/{prompts[0][:8] if prompts else []}")
+        offsets, at = [], 0.0
+        for _ in prompts:
+            offsets.append(at)
+            at += rng.expovariate(self.request_rate)
+        return offsets
 
     @property
     def total_prompt_tokens(self) -> int:

@@ -197,6 +197,16 @@ def scripted_url() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("clients", [1, 2])
+def test_http_load_runs_an_open_loop_on_schedule(scripted_url: str, clients: int) -> None:
+    workload = Workload(prompt_tokens=8, output_tokens=3, vocab_size=1000, request_rate=40.0)
+    (level,) = asyncio.run(bench_http(scripted_url, workload, [4], rounds=4, clients=clients))
+    assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
+    [rows] = level["runs_timeline_ms"]
+    assert rows[-1][0] > 100  # 16 arrivals at 40/s take ~0.4 s, not a burst
+    assert "ttft_first_wave_s" not in level
+
+
+@pytest.mark.parametrize("clients", [1, 2])
 def test_http_load_reads_every_token_and_usage(scripted_url: str, clients: int) -> None:
     """The aiohttp load client (bench/requesters.py), from one process and from two."""
     workload = Workload(prompt_tokens=8, output_tokens=5, vocab_size=1000)
@@ -222,6 +232,47 @@ def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) ->
 
     level = asyncio.run(refused())
     assert level["errors"] == 2 and all("HTTP 404" in kind for kind in level["error_kinds"])
+
+
+def test_an_open_loop_schedule_is_poisson_and_the_same_for_every_target() -> None:
+    closed, open_loop = Workload(), Workload(request_rate=50.0)
+    prompts = open_loop.prompts(2000, "c64/r0")
+    assert closed.arrival_offsets(prompts) is None
+    offsets = open_loop.arrival_offsets(prompts)
+    assert offsets is not None and offsets == open_loop.arrival_offsets(open_loop.prompts(2000, "c64/r0"))
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    assert 0.9 / 50 < sum(gaps) / len(gaps) < 1.1 / 50  # mean gap 1/rate (2,000 draws)
+    assert offsets != open_loop.arrival_offsets(open_loop.prompts(2000, "c64/r1"))
+
+
+def test_an_open_loop_sends_each_request_on_time_and_caps_those_in_flight() -> None:
+    from bench.loadgen import gather_limited
+
+    in_flight = peak = 0
+
+    async def one(prompt: list[int]) -> Sample:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        return Sample(True, first_token_s=0.01, total_s=0.05, output_tokens=1)
+
+    arrivals = [0.0, 0.0, 0.0, 0.2, 0.3]
+    samples = asyncio.run(gather_limited(one, [[1]] * 5, concurrency=2, arrivals=arrivals))
+    starts = [s.started_s for s in samples]
+    assert peak == 2 and not any(s.first_wave for s in samples)  # no burst in an open loop
+    assert starts[2] >= 0.05  # the third arrival waited for a free slot
+    assert 0.2 <= starts[3] < 0.3 <= starts[4] < 2.0
+    assert "ttft_first_wave_s" not in summarise(2, samples, 1.0)
+
+
+def test_a_bad_request_rate_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["http", "--url", "http://127.0.0.1:9", "--request-rate", "-3"])
+    assert exit_.value.code == 2
+    assert "positive number of requests per second" in capsys.readouterr().err
 
 
 def test_timelines_leave_the_report_for_their_own_file_and_are_read_by_wave(tmp_path: Path, capsys) -> None:
