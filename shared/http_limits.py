@@ -64,7 +64,6 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             # A small request's ASGI task waits for its whole body, then starts at once (below).
             self._in_head_callback = False
             self._waiting_for_body: tuple[Any, Any] | None = None
-            self._complete: list[tuple[Any, Any]] = []
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -72,8 +71,12 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
 
         def data_received(self, data: bytes) -> None:
             self._feed(data)
-            while self._complete:  # after the parser returned: the app never runs inside it
-                self._start_now(*self._complete.pop(0))
+            waiting = self._waiting_for_body
+            # Body whole (uvicorn's on_message_complete clears more_body). Started after the
+            # parser returned: the app never runs inside it.
+            if waiting is not None and not waiting[0].more_body:
+                self._waiting_for_body = None
+                self._start_now(*waiting)
 
         def _feed(self, data: bytes) -> None:
             if not self._head_open:
@@ -111,9 +114,6 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             # Whatever comes next on this connection is the next request's head.
             self._head_open = True
             self._head_bytes = 0
-            if self._waiting_for_body is not None:
-                self._complete.append(self._waiting_for_body)
-                self._waiting_for_body = None
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._waiting_for_body = None  # never started: nothing waits on it
@@ -132,7 +132,7 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             super()._start_asgi_task(cycle, app)
 
         def _start_now(self, cycle: Any, app: Any) -> None:
-            if sys.version_info < (3, 12) or cycle.disconnected:
+            if sys.version_info < (3, 12):
                 super()._start_asgi_task(cycle, app)
                 return
             context = contextvars.Context() if self.config.reset_contextvars else None
