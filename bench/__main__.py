@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         shared_prefix_tokens=args.shared_prefix_tokens,
         request_rate=args.request_rate,
+        think_s=args.think_time,
     )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
@@ -140,6 +141,13 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
         "then one as each ends)",
     )
     p.add_argument(
+        "--think-time",
+        type=_think_time,
+        default=0.0,
+        help="seconds a client holds its place after a response ends before its next request "
+        "(a user's think time; default 0)",
+    )
+    p.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
@@ -169,6 +177,16 @@ def _positive_rate(text: str) -> float:
     if not 0 < rate < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of requests per second: {text!r}")
     return rate
+
+
+def _think_time(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be zero or a positive number of seconds: {text!r}")
+    return seconds
 
 
 if __name__ == "__main__":

@@ -77,6 +77,6 @@ async def _client_share(
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        samples = await gather_limited(one, prompts, concurrency, arrivals)
+        samples = await gather_limited(one, prompts, concurrency, arrivals, workload.think_s)
         end = time.time()
     return [asdict(s) for s in samples], end

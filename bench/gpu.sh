@@ -62,6 +62,7 @@ rounds=${BENCH_ROUNDS:-3}
 levels=${BENCH_LEVELS:-1,64,256}  # e.g. BENCH_LEVELS=64,256 when a lease's time is short
 rate=()  # BENCH_RATE=35: an open loop at 35 requests/s (a level caps those in flight)
 if [ -n "${BENCH_RATE:-}" ]; then rate=(--request-rate "$BENCH_RATE"); fi
+if [ -n "${BENCH_THINK:-}" ]; then rate+=(--think-time "$BENCH_THINK"); fi  # seconds, e.g. 0.025
 common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back

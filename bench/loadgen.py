@@ -133,11 +133,12 @@ async def run_level(
     prompts: list[list[int]],
     concurrency: int,
     arrivals: list[float] | None = None,
+    think_s: float = 0.0,
 ) -> dict[str, Any]:
     """Start all requests of a level with at most `concurrency` in flight (and, given
     `arrivals`, each no earlier than its offset from the level's start: an open loop)."""
     started = time.perf_counter()
-    samples = await gather_limited(one_request, prompts, concurrency, arrivals)
+    samples = await gather_limited(one_request, prompts, concurrency, arrivals, think_s)
     return summarise(concurrency, samples, time.perf_counter() - started)
 
 
@@ -146,7 +147,9 @@ async def gather_limited(
     prompts: list[list[int]],
     concurrency: int,
     arrivals: list[float] | None = None,
+    think_s: float = 0.0,
 ) -> list[Sample]:
+    """`think_s`: each request keeps its place among the `concurrency` this long after it ends."""
     gate = asyncio.Semaphore(concurrency)
     level_started = time.perf_counter()
 
@@ -157,6 +160,8 @@ async def gather_limited(
             started = time.perf_counter()
             sample = await one_request(prompt)
             sample.started_s = started - level_started
+            if think_s:
+                await asyncio.sleep(think_s)
             return sample
 
     offsets: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(prompts)

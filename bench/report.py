@@ -48,6 +48,8 @@ def _rounds(report: dict[str, Any]) -> str:
     rounds = report.get("rounds")
     rate = report["workload"].get("request_rate")
     loop = f"open loop, {rate:g} requests/s (Poisson), the level a cap on those in flight; " if rate else ""
+    think = report["workload"].get("think_s")
+    loop += f"{think * 1000:g} ms think time after each response; " if think else ""
     return loop + (f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else "")
 
 

@@ -55,6 +55,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         model=settings.model_name,
         shared_prefix_tokens=args.shared_prefix_tokens,
         request_rate=args.request_rate,
+        think_s=args.think_time,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ def scheduled(one: Requester, workload: Workload) -> LevelRunner:
     """A level runner for one process: the workload's arrival schedule (open loop) or none."""
 
     async def level(prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
-        return await run_level(one, prompts, concurrency, workload.arrival_offsets(prompts))
+        return await run_level(one, prompts, concurrency, workload.arrival_offsets(prompts), workload.think_s)
 
     return level
 

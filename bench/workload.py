@@ -34,6 +34,10 @@ class Workload:
     # second, a level's concurrency only a cap (as `vllm bench serve --request-rate`): arrivals
     # do not wait for completions, so a target's speed cannot shift when the next one comes.
     request_rate: float | None = None
+    # Seconds a closed loop's client waits after a response ends before sending the next request
+    # (a user's think time; 0: at once). A diagnostic: the in-process raw target's next request
+    # waits for its busy event loop (~25 ms at 256 streams on the H200), an HTTP client's does not.
+    think_s: float = 0.0
 
     def prompts(self, count: int, batch: str) -> list[list[int]]:
         """`count` prompts for the batch called `batch` (e.g. "c64/r2"): the same ids for every

@@ -268,11 +268,27 @@ def test_an_open_loop_sends_each_request_on_time_and_caps_those_in_flight() -> N
     assert "ttft_first_wave_s" not in summarise(2, samples, 1.0)
 
 
+def test_think_time_holds_a_clients_place_before_its_next_request() -> None:
+    from bench.loadgen import gather_limited
+
+    async def one(prompt: list[int]) -> Sample:
+        await asyncio.sleep(0.02)
+        return Sample(True, first_token_s=0.01, total_s=0.02, output_tokens=1)
+
+    samples = asyncio.run(gather_limited(one, [[1]] * 4, concurrency=2, think_s=0.1))
+    starts = sorted(s.started_s for s in samples)
+    assert starts[1] < 0.05  # the first two at once
+    assert starts[2] >= 0.12  # the next only after the first ended (0.02) and thought (0.1)
+
+
 def test_a_bad_request_rate_is_refused(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         bench_main(["http", "--url", "http://127.0.0.1:9", "--request-rate", "-3"])
     assert exit_.value.code == 2
     assert "positive number of requests per second" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["http", "--url", "http://127.0.0.1:9", "--think-time", "soon"])
+    assert exit_.value.code == 2 and "not a number" in capsys.readouterr().err
 
 
 def test_timelines_leave_the_report_for_their_own_file_and_are_read_by_wave(tmp_path: Path, capsys) -> None:
