@@ -7,6 +7,7 @@ load is split over processes so that the numbers describe the server, not the cl
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -49,6 +50,20 @@ def run_level_in_processes(
     return summarise(concurrency, samples, wall)
 
 
+# BENCH_CLIENT_CPUS=12-15 (taskset's list syntax): the client processes run on these CPUs only,
+# off those of the server and engine, which here share one machine with them (never in production).
+CLIENT_CPUS = "BENCH_CLIENT_CPUS"
+
+
+def cpu_list(text: str) -> set[int]:
+    """ "0-3,8" -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
 def _client_process(
     url: str,
     workload: Workload,
@@ -59,6 +74,8 @@ def _client_process(
     request_ids: bool,
     arrivals: list[float] | None,
 ) -> tuple[list[dict[str, Any]], float]:
+    if os.environ.get(CLIENT_CPUS):
+        os.sched_setaffinity(0, cpu_list(os.environ[CLIENT_CPUS]))
     share = _client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids, arrivals)
     return asyncio.run(share)
 

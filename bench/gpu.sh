@@ -65,9 +65,13 @@ if [ -n "${BENCH_RATE:-}" ]; then rate=(--request-rate "$BENCH_RATE"); fi
 if [ -n "${BENCH_THINK:-}" ]; then rate+=(--think-time "$BENCH_THINK"); fi  # seconds, e.g. 0.025
 common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
+# BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15: the suite, its server and engine on the first
+# CPUs, the HTTP client processes on the others (they share this machine, never in production).
+pin=()
+if [ -n "${BENCH_SERVER_CPUS:-}" ]; then pin=(taskset -c "$BENCH_SERVER_CPUS"); fi
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift
-  python3 -m bench suite "${common[@]}" --out "bench/gpu-results/$name" "$@"
+  "${pin[@]}" python3 -m bench suite "${common[@]}" --out "bench/gpu-results/$name" "$@"
   mkdir -p "${OUT:-/tmp/out}/$name" && cp bench/gpu-results/"$name"/bench.* bench/gpu-results/"$name"/timelines.json bench/gpu-results/"$name"/*.log "${OUT:-/tmp/out}/$name/" 2>/dev/null || true
 }
 case "$stage" in

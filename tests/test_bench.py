@@ -281,6 +281,12 @@ def test_think_time_holds_a_clients_place_before_its_next_request() -> None:
     assert starts[2] >= 0.12  # the next only after the first ended (0.02) and thought (0.1)
 
 
+def test_client_cpus_read_tasksets_list_syntax() -> None:
+    from bench.client_processes import cpu_list
+
+    assert cpu_list("0-3,8") == {0, 1, 2, 3, 8} and cpu_list("5") == {5} and cpu_list("") == set()
+
+
 def test_a_bad_request_rate_is_refused(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         bench_main(["http", "--url", "http://127.0.0.1:9", "--request-rate", "-3"])
