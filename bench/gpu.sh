@@ -37,8 +37,8 @@
 #      run("bash bench/gpu.sh startup")        # bytecode compiled; empty compile cache x1, warm x3
 #      run("bash bench/gpu.sh startup-eager")  # eager x2, sleep/wake cycles x3 (lifecycle functions)
 #      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
-#      run("bash bench/gpu.sh graphs")         # the same with vLLM's default CUDA graph sizes (512)
-#      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-default-graphs]/sleepwake.json
+#      run("bash bench/gpu.sh graphs")         # the same with CUDA graphs capped at 256 (the old default)
+#      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-graphs-256]/sleepwake.json
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -144,14 +144,14 @@ case "$stage" in
         python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out
         python3 -m bench.startup --paths warm-cache --runs 3 --work $work --out $out --merge ;;
       startup-eager) python3 -m bench.startup --paths eager,wake --runs 3 --work $work --out $out --merge ;;
-      graphs)  # vLLM's default widths (min(2 x 256, 512)) against the bundle's cap at max_num_seqs
-        export BUNDLE_CUDA_GRAPH_MAX_BATCH=512
-        python3 -m bench.startup --paths warm-cache --runs 2 --work /tmp/startup-work-512 --out $out-default-graphs
-        python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake-default-graphs || true
-        mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake-default-graphs "${OUT:-/tmp/out}/" ;;
+      graphs)  # graphs capped at max_num_seqs (BUNDLE_CUDA_GRAPH_MAX_BATCH=256) against vLLM's widths (512)
+        export BUNDLE_CUDA_GRAPH_MAX_BATCH=256
+        python3 -m bench.startup --paths warm-cache --runs 2 --work /tmp/startup-work-256 --out $out-graphs-256
+        python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake-graphs-256 || true
+        mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake-graphs-256 "${OUT:-/tmp/out}/" ;;
     esac
     mkdir -p "${OUT:-/tmp/out}/startup/logs" && cp $out/startup.* "${OUT:-/tmp/out}/startup/" 2>/dev/null || true
-    cp -r $out-default-graphs "${OUT:-/tmp/out}/" 2>/dev/null || true
+    cp -r $out-graphs-256 "${OUT:-/tmp/out}/" 2>/dev/null || true
     cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
     exit 0 ;;
   sleepwake)

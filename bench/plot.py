@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.report import median_ttft_p50_s
+
 
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -16,7 +18,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for name, target in report["targets"].items():
         xs = [lv["concurrency"] for lv in target["levels"]]
         left.plot(xs, [lv["output_tokens_per_s"] for lv in target["levels"]], marker="o", label=name)
-        right.plot(xs, [lv["ttft_s"]["p50"] * 1000 for lv in target["levels"]], marker="o", label=name)
+        right.plot(xs, [median_ttft_p50_s(lv) * 1000 for lv in target["levels"]], marker="o", label=name)
     for axis, label in ((left, "output tokens/s"), (right, "TTFT p50 (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent streams")

@@ -105,6 +105,9 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
         command.append(
             "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"
         )
+    graphs = getattr(args.compilation_config, "max_cudagraph_capture_size", None)
+    if graphs is not None:  # BUNDLE_CUDA_GRAPH_MAX_BATCH: unset, both leave the widths to vLLM
+        command += ["--compilation-config", orjson.dumps({"max_cudagraph_capture_size": graphs}).decode()]
     return command
 
 

@@ -421,7 +421,7 @@ def _eager(settings: Settings, on_cpu: bool) -> bool:
 
 
 def start_up_options(settings: Settings, eager: bool) -> dict[str, Any]:
-    """Engine arguments that shape start-up: sleep mode, and CUDA graphs sized to this server.
+    """Engine arguments that shape start-up: sleep mode, and a CUDA graph cap when one is set.
 
     Kept in one place, apart from `engine_args`, so that what changes start-up is easy to find
     and to measure (`python -m bench.startup`). Fields are looked up in the installed vLLM, so
@@ -439,14 +439,17 @@ def start_up_options(settings: Settings, eager: bool) -> dict[str, Any]:
 
 
 def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | None:
-    """Capture CUDA graphs up to the widest decode batch this server runs, not twice that.
+    """The CUDA graph capture cap, only when one is set (BUNDLE_CUDA_GRAPH_MAX_BATCH).
 
-    vLLM's default captures batch sizes up to min(2 x max_num_seqs, 512): with 256 sequences
-    that is 16 graphs (272..512) that decode never replays, paid for at every cold start.
-    Speculative decoding needs wider graphs (several tokens per sequence), so vLLM keeps sizing
-    those itself.
+    Unset, vLLM sizes the graphs itself: up to min(2 x max_num_seqs, 512) tokens. The bundle
+    used to stop at max_num_seqs, reasoning that decode never runs a wider batch; but the sizes
+    count tokens, and vLLM also replays them (piecewise) for steps that mix a prefill into the
+    decodes. On the H200 (open loop, 30 requests/s, 256 cap in flight) the cap at 256 gave
+    16-21 ms per output token and vLLM's width 12-16, while capture took ~5 s either way
+    (bench/results-h200/runs/7-open-loop-graphs-512). Speculative decoding needs its own
+    widths, so vLLM keeps sizing those.
     """
-    if eager or settings.speculative_config is not None:
+    if eager or settings.speculative_config is not None or settings.cuda_graph_max_batch is None:
         return None
     from vllm.config import CompilationConfig
 
@@ -454,7 +457,7 @@ def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | No
     if field not in getattr(CompilationConfig, "__dataclass_fields__", {}):
         log.info("this vLLM has no %s; CUDA graph sizes left at its defaults", field)
         return None
-    return {field: settings.cuda_graph_max_batch or settings.max_num_seqs}
+    return {field: settings.cuda_graph_max_batch}
 
 
 def import_vllm() -> None:

@@ -69,8 +69,9 @@ class Settings(BaseSettings):
     cuda_graph_max_batch: int | None = Field(
         None,
         ge=1,
-        description="Largest batch captured as a CUDA graph. Unset: max_num_seqs, the widest "
-        "decode batch this server runs (vLLM's own default captures up to twice that, to 512). "
+        description="Largest step, in tokens, captured as a CUDA graph. Unset: vLLM's own default "
+        "(twice max_num_seqs, at most 512). The sizes serve mixed prefill + decode steps too, "
+        "so a cap at max_num_seqs slows sustained load (see README, cold start). "
         "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
     )
     trust_remote_code: bool = False

@@ -77,6 +77,12 @@ def test_cpu_table_appears_only_where_cpu_was_measured() -> None:
     assert "CPU time" not in without
 
 
+def test_a_cells_ttft_is_the_median_of_the_runs_p50s() -> None:
+    level = {**_level(1), "runs_ttft_p50_s": [0.09, 0.02, 0.05]}  # the kept run's own p50: 0.01
+    assert "· 50.0 ·" in markdown_table(_report({"raw": {"levels": [level]}}))
+    assert "· 10.0 ·" in markdown_table(_report({"raw": {"levels": [_level(1)]}}))  # one run
+
+
 def test_prefix_cache_hit_rate_and_preset_ratio_are_in_the_table() -> None:
     cached = {**_level(256), "prefix_cache": {"queries": 100, "hits": 3, "hit_rate": 0.03}}
     cached["runs_output_tokens_per_s"] = [90.0, 100.0, 110.0]

@@ -62,3 +62,22 @@ def test_a_deploy_default_preset_yields_to_the_user_even_to_none(monkeypatch: py
     assert Settings(preset="latency").with_default_preset("throughput").preset == "latency"
     monkeypatch.setenv("BUNDLE_PRESET", "")
     assert Settings().with_default_preset("throughput").preset is None
+
+
+def test_cuda_graphs_keep_vllms_widths_unless_a_cap_is_set() -> None:
+    """The graph sizes count tokens and serve mixed prefill + decode steps, not only decode
+    batches: capping them at max_num_seqs slowed sustained load on the H200 (README)."""
+    default = engine_args(Settings(model="/models/m", enforce_eager=False, max_num_seqs=256), on_cpu=False)
+    assert default.compilation_config.max_cudagraph_capture_size is None  # vLLM decides
+    capped = Settings(model="/models/m", enforce_eager=False, cuda_graph_max_batch=128)
+    assert engine_args(capped, on_cpu=False).compilation_config.max_cudagraph_capture_size == 128
+
+
+def test_vllms_server_gets_the_bundles_graph_cap_when_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.servers import vllm_server_command
+
+    monkeypatch.setattr("vllm.platforms.current_platform.is_cpu", lambda: False)
+    graphs = {"model": "/models/m", "enforce_eager": False}
+    capped = vllm_server_command(Settings(**graphs, cuda_graph_max_batch=128), 9)
+    assert capped[capped.index("--compilation-config") + 1] == '{"max_cudagraph_capture_size":128}'
+    assert "--compilation-config" not in vllm_server_command(Settings(**graphs), 9)
