@@ -10,6 +10,13 @@ grows along the burst is a queue (a busy event loop, requests reaching the engin
 start, per request, per run) go to `timelines.json` beside it, one entry per target and level.
 
     python -m bench timelines bench/gpu-results/bench/timelines.json [--against raw]
+
+After the TTFT by wave, the later requests per run: their mean time from start to end and to
+first token, the mean time per output token after the first (the output length is read from
+`bench.json` beside the file, or `--output-tokens N`), and in a closed loop how soon a client
+sent its next request after one ended. At the same throughput and concurrency a closed loop
+fixes the time a request spends in the system (Little's law): a target whose TTFT is higher
+there but whose start-to-end is not spends less of it decoding.
 """
 
 from __future__ import annotations
@@ -83,6 +90,42 @@ def report(timelines: dict[str, dict[str, list]], against: str | None) -> str:
     return "\n".join(lines)
 
 
+def steady_state(rows: list[list[float]], concurrency: int, output_tokens: int) -> dict[str, float]:
+    """The later requests (after the level's first `concurrency` starts) of one run, in ms."""
+    ok = sorted((row for row in rows if row[1] >= 0), key=lambda row: row[0])
+    later = ok[concurrency:]
+    if not later:
+        return {}
+    summary = {
+        "start to end": statistics.fmean(r[2] - r[0] for r in later),
+        "TTFT": statistics.fmean(r[1] - r[0] for r in later),
+    }
+    if output_tokens > 1:
+        after_first = output_tokens - 1
+        summary["per token after the first"] = statistics.fmean((r[2] - r[1]) / after_first for r in later)
+    # Closed loop: the k-th later start answers the k-th end (the level's last ends answer none).
+    ends = sorted(r[2] for r in ok)
+    summary["next sent after an end (median)"] = statistics.median(
+        r[0] - end for r, end in zip(later, ends, strict=False)
+    )
+    return summary
+
+
+def steady_report(timelines: dict[str, dict[str, list]], output_tokens: int) -> str:
+    lines = ["later requests, per run (ms; 'next sent' means something only in a closed loop)"]
+    for level in sorted({int(lv) for target in timelines.values() for lv in target}):
+        for name, target in timelines.items():
+            per_run = [steady_state(run, level, output_tokens) for run in target.get(str(level), [])]
+            per_run = [summary for summary in per_run if summary]
+            if not per_run:
+                continue
+            cells = "  ".join(
+                f"{key} " + " / ".join(f"{summary[key]:.1f}" for summary in per_run) for key in per_run[0]
+            )
+            lines.append(f"  c={level:<4} {name:>14}: {cells}")
+    return "\n".join(lines)
+
+
 def _difference(value: float, key: str, base: dict[str, float] | None) -> str:
     return f" ({value - base[key]:+.1f})" if base and key in base else ""
 
@@ -92,11 +135,11 @@ def main(argv: list[str]) -> int:
         usage = f"usage: python -m bench timelines {FILE_NAME} [MORE.json ...] [--against TARGET]"
         print(usage, file=sys.stderr)
         return 2
-    against = None
-    if "--against" in argv:
-        at = argv.index("--against")
-        against = argv[at + 1] if at + 1 < len(argv) else None
-        argv = argv[:at] + argv[at + 2 :]
+    against, argv = _option(argv, "--against")
+    tokens, argv = _option(argv, "--output-tokens")
+    if tokens is not None and not tokens.isdigit():
+        print(f"python -m bench timelines: --output-tokens must be a whole number: {tokens!r}", file=sys.stderr)
+        return 2
     timelines: dict[str, dict[str, list]] = {}
     for path in argv:
         try:
@@ -105,4 +148,21 @@ def main(argv: list[str]) -> int:
             print(f"python -m bench timelines: {path}: {exc}", file=sys.stderr)
             return 2
     print(report(timelines, against))
+    print(steady_report(timelines, int(tokens) if tokens else _output_tokens_beside(Path(argv[0]))))
     return 0
+
+
+def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    if name not in argv:
+        return None, argv
+    at = argv.index(name)
+    return (argv[at + 1] if at + 1 < len(argv) else None), argv[:at] + argv[at + 2 :]
+
+
+def _output_tokens_beside(timelines_path: Path) -> int:
+    """The workload's output length from the report beside the file (0 if there is none)."""
+    try:
+        report = orjson.loads((timelines_path.parent / "bench.json").read_bytes())
+        return int(report["workload"]["output_tokens"])
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return 0

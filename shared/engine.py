@@ -444,9 +444,10 @@ def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | No
     Unset, vLLM sizes the graphs itself: up to min(2 x max_num_seqs, 512) tokens. The bundle
     used to stop at max_num_seqs, reasoning that decode never runs a wider batch; but the sizes
     count tokens, and vLLM also replays them (piecewise) for steps that mix a prefill into the
-    decodes. On the H200 (open loop, 30 requests/s, 256 cap in flight) the cap at 256 gave
-    16-21 ms per output token and vLLM's width 12-16, while capture took ~5 s either way
-    (bench/results-h200/runs/7-open-loop-graphs-512). Speculative decoding needs its own
+    decodes. On the H200 (open loop, 30 requests/s, at most 256 in flight) raw and the bundle
+    with the cap at 256 took 14-22 ms per output token, vLLM's server and the bundle with
+    vLLM's widths 12-15, and capture took ~5 s either way (bench/results-h200/runs/5 to 7,
+    README). Speculative decoding needs its own
     widths, so vLLM keeps sizing those.
     """
     if eager or settings.speculative_config is not None or settings.cuda_graph_max_batch is None:

@@ -11,6 +11,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 import uvicorn
 
@@ -347,6 +348,25 @@ def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
     other = {**whole, "workload": {**whole["workload"], "output_tokens": 1}}
     (tmp_path / "other.json").write_bytes(orjson.dumps(other))
     assert bench_main(["merge", str(tmp_path / "x"), str(parts[0]), str(tmp_path / "other.json")]) == 2
+
+
+def test_timelines_show_the_later_requests_time_in_the_system(tmp_path: Path, capsys) -> None:
+    from bench import timelines
+
+    # Closed loop of 2: two start at 0; each later one is sent 5 ms after an end. 11 tokens out.
+    rows = [[0.0, 100.0, 300.0], [0.0, 120.0, 320.0], [305.0, 405.0, 605.0], [325.0, 445.0, 625.0]]
+    steady = timelines.steady_state(rows, 2, output_tokens=11)
+    assert steady == {
+        "start to end": 300.0,
+        "TTFT": 110.0,
+        "per token after the first": 19.0,
+        "next sent after an end (median)": 5.0,
+    }
+    (tmp_path / "timelines.json").write_bytes(orjson.dumps({"bundle": {"2": [rows]}}))
+    (tmp_path / "bench.json").write_bytes(orjson.dumps({"workload": {"output_tokens": 11}}))
+    assert timelines.main([str(tmp_path / "timelines.json")]) == 0
+    assert "per token after the first 19.0" in capsys.readouterr().out
+    assert timelines.main([str(tmp_path / "timelines.json"), "--output-tokens", "many"]) == 2
 
 
 def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -> None:
