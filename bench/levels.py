@@ -41,6 +41,10 @@ class Meters:
     server_admission: HistogramCounter | None = None
     # How late the bundle's event loop ran its 100 ms timer (shared/loop_lag.py): a busy loop.
     server_loop_lag: HistogramCounter | None = None
+    # The engine's step outputs in the API process (shared/engine_outputs.py), raw and bundle
+    # alike: how long they waited to be taken up, and how long handing them out took.
+    engine_output_wait: HistogramCounter | None = None
+    engine_output_handling: HistogramCounter | None = None
     # Server counters reported per output token (name -> value so far), e.g. the identity
     # store's round trips; divided by the tokens the clients counted, not the server's own.
     per_token: Callable[[], dict[str, float]] | None = None
@@ -76,6 +80,8 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
         "server_ttft_mean_s": meters.server_ttft,
         "server_admission_mean_s": meters.server_admission,
         "server_loop_lag_mean_s": meters.server_loop_lag,
+        "engine_output_wait_mean_s": meters.engine_output_wait,
+        "engine_output_handling_mean_s": meters.engine_output_handling,
     }
     before = {name: (read, read()) for name, read in histograms.items() if read is not None}
     counted_before = meters.per_token() if meters.per_token else {}
@@ -106,6 +112,15 @@ def requests_per_level(level: int, rounds: int) -> int:
     return max(level * rounds, MIN_REQUESTS_PER_LEVEL)
 
 
+# Means some targets' runs carry; each is kept per run beside the median run as `runs_<name>`.
+OPTIONAL_MEANS = (
+    "server_admission_mean_s",
+    "server_loop_lag_mean_s",
+    "engine_output_wait_mean_s",
+    "engine_output_handling_mean_s",
+)
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median throughput, carrying every run's figures beside it: on a
     noisy machine one run per level says little."""
@@ -123,7 +138,7 @@ def median_run(runs: list[dict]) -> dict:
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
     if all("server_ttft_mean_s" in run for run in runs):
         chosen["runs_ttft_added_by_server_s"] = [run["ttft_mean_s"] - run["server_ttft_mean_s"] for run in runs]
-    for name in ("server_admission_mean_s", "server_loop_lag_mean_s"):
+    for name in OPTIONAL_MEANS:
         if all(name in run for run in runs):
             chosen[f"runs_{name}"] = [run[name] for run in runs]
     if all("prefix_cache" in run for run in runs):
@@ -143,6 +158,7 @@ def _line(level: dict) -> str:
         + (f"  serving CPU {cpu:.3f} ms/token" if cpu is not None else "")
         + (f"  prefix-cache hits {cache['hit_rate']:.1%}" if cache else "")
         + _ttft_split(level)
+        + _engine_outputs(level)
     )
 
 
@@ -165,3 +181,11 @@ def _ttft_split(level: dict) -> str:
     return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + "".join(
         f", {extra}" for extra in extras
     )
+
+
+def _engine_outputs(level: dict) -> str:
+    if "engine_output_wait_mean_s" not in level:
+        return ""
+    wait = level["engine_output_wait_mean_s"] * 1000
+    handling = level.get("engine_output_handling_mean_s", 0.0) * 1000
+    return f"  engine outputs: wait mean {wait:.2f} ms, handling mean {handling:.2f} ms"

@@ -151,6 +151,8 @@ def run_server(
             server_ttft=histogram("bundle_time_to_first_token_seconds") if bundle else None,
             server_admission=histogram("bundle_admission_seconds") if bundle else None,
             server_loop_lag=histogram("bundle_event_loop_lag_seconds") if bundle else None,
+            engine_output_wait=histogram("bundle_engine_output_wait_seconds") if bundle else None,
+            engine_output_handling=histogram("bundle_engine_output_handling_seconds") if bundle else None,
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(

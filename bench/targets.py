@@ -13,6 +13,7 @@ from bench.loadgen import Requester, run_level
 from bench.requesters import engine_requester, http_requester, load_client, open_connections
 from bench.workload import Workload
 from shared.engine import batch_token_budget, import_engine_modules, start_llm, stop_llm
+from shared.engine_outputs import time_engine_outputs
 from shared.settings import Settings
 
 WARM_UP_REQUESTS = 4  # graphs, caches, connections; their prompts are a batch of their own
@@ -44,7 +45,12 @@ async def bench_raw(
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         # process_time: this process's CPU, where vLLM's client side (output handling,
         # detokenizing) runs as it does in a server's API process, minus HTTP.
-        meters = Meters(serving_cpu=time.process_time)
+        timings = time_engine_outputs(llm)  # as the bundle's engine does (shared/engine_outputs.py)
+        meters = Meters(
+            serving_cpu=time.process_time,
+            engine_output_wait=lambda: (timings.wait.seconds, timings.wait.count),
+            engine_output_handling=lambda: (timings.handling.seconds, timings.handling.count),
+        )
         return {
             "levels": await run_levels(scheduled(one, workload), workload, levels, rounds, repeat, meters),
             "max_num_batched_tokens": batch_token_budget(llm),

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from shared.engine_outputs import time_engine_outputs
 from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.presets import apply_preset
 from shared.settings import Settings
@@ -152,6 +153,7 @@ class VLLMEngine:
         self._tokenizer = llm.get_tokenizer()
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
+        self.output_timings = time_engine_outputs(llm)
         self._sleeper = Sleeper(llm, wake_wait_s)
         self.tool_call_parser = tool_call_parser
 

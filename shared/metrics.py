@@ -7,7 +7,10 @@ import math
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import SummaryMetricFamily
+from prometheus_client.registry import Collector
 
+from shared.engine_outputs import OutputTimings
 from shared.loop_metrics import LoopCounter, LoopHistogram
 
 log = logging.getLogger(__name__)
@@ -123,5 +126,33 @@ class Metrics:
 
         self.engine_running_requests.set_function(read)
 
+    def watch_engine_outputs(self, timings: OutputTimings) -> None:
+        """The engine's step outputs: how long they waited for the API process and how long it
+        took to hand them out (shared/engine_outputs.py), read at scrape time."""
+        self.registry.register(_EngineOutputsCollector(timings))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineOutputsCollector(Collector):
+    def __init__(self, timings: OutputTimings) -> None:
+        self._timings = timings
+
+    def collect(self) -> list[SummaryMetricFamily]:
+        wait, handling = self._timings.wait, self._timings.handling
+        return [
+            SummaryMetricFamily(
+                "bundle_engine_output_wait_seconds",
+                "From the engine stamping a step's outputs to the API process taking them up.",
+                count_value=wait.count,
+                sum_value=wait.seconds,
+            ),
+            SummaryMetricFamily(
+                "bundle_engine_output_handling_seconds",
+                "From taking a step's outputs up to asking for the next step's (vLLM's output "
+                "processing and the event loop's other work between its chunks).",
+                count_value=handling.count,
+                sum_value=handling.seconds,
+            ),
+        ]

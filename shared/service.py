@@ -60,6 +60,9 @@ class Service:
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(engine.running_requests)
+        timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/engine_outputs.py)
+        if timings is not None:
+            self.metrics.watch_engine_outputs(timings)
         self.registry = Registry(settings, self.metrics)
         self.replicas = _shared_identity(settings, self.registry, self.metrics)
         self._stats_task: asyncio.Task[None] | None = None

@@ -218,6 +218,33 @@ def test_gauges_are_live_right_after_a_stream(http: httpx.Client) -> None:
     assert "bundle_time_to_first_token_seconds_count" in metrics
 
 
+def _engine_output_tallies(http: httpx.Client) -> dict[str, float]:
+    prefix = "bundle_engine_output_"
+    lines = http.get("/metrics").text.splitlines()
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in lines)
+        if name.startswith(prefix)
+    }
+
+
+def test_the_engines_step_outputs_are_timed_from_vllms_own_stamp(http: httpx.Client) -> None:
+    """shared/engine_outputs.py: every step's outputs, from the engine core's stamp to the API
+    process taking them up, and how long handing them out took (the real engine, 8 tokens)."""
+    before = _engine_output_tallies(http)
+    http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 8}).read()
+    after = _engine_output_tallies(http)
+    steps = after["bundle_engine_output_wait_seconds_count"] - before["bundle_engine_output_wait_seconds_count"]
+    assert steps >= 8  # one per token at least: each step's outputs are taken up once
+    waited = after["bundle_engine_output_wait_seconds_sum"] - before["bundle_engine_output_wait_seconds_sum"]
+    assert 0.0 <= waited / steps < 5.0  # the same clock in both processes: no negative or absurd waits
+    handled = (
+        after["bundle_engine_output_handling_seconds_count"]
+        - before["bundle_engine_output_handling_seconds_count"]
+    )
+    assert handled >= steps - 1
+
+
 BAD_INPUTS: list[tuple[str, dict | bytes]] = [
     ("negative max_tokens", {"max_tokens": -1}),
     ("zero max_tokens", {"max_tokens": 0}),

@@ -420,3 +420,17 @@ async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
     samples = {s.labels["le"]: s.value for s in lag.collect()[0].samples if s.name == "lag_bucket"}
     assert samples["+Inf"] - samples["0.1"] >= 1  # the held turn: one sample above 0.1 s
     assert samples["0.1"] >= 3  # the free turns around it: small
+
+
+def test_engine_output_timings_wait_and_handling() -> None:
+    from shared.engine_outputs import OutputTimings, time_engine_outputs
+
+    timings = OutputTimings()
+    timings.asking_again(1.0)  # nothing taken up yet: no handling to count
+    timings.taken(stamped_at=10.0, now=10.5)
+    timings.asking_again(11.25)
+    timings.taken(stamped_at=0.0, now=12.0)  # no stamp (another vLLM): no wait counted
+    assert (timings.wait.count, timings.wait.seconds) == (1, 0.5)
+    assert (timings.handling.count, timings.handling.seconds) == (1, 0.75)
+    untouched = time_engine_outputs(object())  # an engine client without the hook is left alone
+    assert untouched.wait.count == untouched.handling.count == 0
