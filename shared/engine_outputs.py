@@ -68,5 +68,8 @@ def time_engine_outputs(llm: Any) -> OutputTimings:
         return outputs
 
     # An instance attribute: vLLM's output handler looks the method up on each call.
-    client.get_output_async = fetch_timed
+    try:
+        client.get_output_async = fetch_timed
+    except AttributeError:  # a client class that forbids it: serve untimed rather than not at all
+        return OutputTimings()
     return timings
