@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         shared_prefix_tokens=args.shared_prefix_tokens,
         request_rate=args.request_rate,
         think_s=args.think_time,
+        think_random=args.think_random,
     )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
@@ -146,6 +147,12 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds a client holds its place after a response ends before its next request "
         "(a user's think time; default 0)",
+    )
+    p.add_argument(
+        "--think-random",
+        action="store_true",
+        help="draw each request's think time from an exponential distribution with --think-time "
+        "as its mean (seeded by the request: the same for every target)",
     )
     p.add_argument(
         "--shared-prefix-tokens",

@@ -30,6 +30,7 @@ def run_level_in_processes(
     clients = max(1, min(clients, concurrency))
     start_at = time.time() + 3.0  # every process starts its share at the same instant
     arrivals = workload.arrival_offsets(prompts)  # an open loop: each process sends its share on time
+    thinks = workload.think_times(prompts)
     futures = [
         pool.submit(
             _client_process,
@@ -41,6 +42,7 @@ def run_level_in_processes(
             api_key,
             request_ids,
             arrivals[i::clients] if arrivals is not None else None,
+            thinks[i::clients] if thinks is not None else None,
         )
         for i in range(clients)
     ]
@@ -73,10 +75,11 @@ def _client_process(
     api_key: str | None,
     request_ids: bool,
     arrivals: list[float] | None,
+    thinks: list[float] | None,
 ) -> tuple[list[dict[str, Any]], float]:
     if os.environ.get(CLIENT_CPUS):
         os.sched_setaffinity(0, cpu_list(os.environ[CLIENT_CPUS]))
-    share = _client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids, arrivals)
+    share = _client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids, arrivals, thinks)
     return asyncio.run(share)
 
 
@@ -89,11 +92,12 @@ async def _client_share(
     api_key: str | None,
     request_ids: bool,
     arrivals: list[float] | None,
+    thinks: list[float] | None,
 ) -> tuple[list[dict[str, Any]], float]:
     async with load_client(url) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        samples = await gather_limited(one, prompts, concurrency, arrivals, workload.think_s)
+        samples = await gather_limited(one, prompts, concurrency, arrivals, thinks)
         end = time.time()
     return [asdict(s) for s in samples], end

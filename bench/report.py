@@ -51,7 +51,9 @@ def _rounds(report: dict[str, Any]) -> str:
     rate = report["workload"].get("request_rate")
     loop = f"open loop, {rate:g} requests/s (Poisson), the level a cap on those in flight; " if rate else ""
     think = report["workload"].get("think_s")
-    loop += f"{think * 1000:g} ms think time after each response; " if think else ""
+    if think:
+        kind = " (the mean; exponential)" if report["workload"].get("think_random") else ""
+        loop += f"{think * 1000:g} ms think time after each response{kind}; "
     return loop + (f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else "")
 
 

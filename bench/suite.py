@@ -56,6 +56,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         shared_prefix_tokens=args.shared_prefix_tokens,
         request_rate=args.request_rate,
         think_s=args.think_time,
+        think_random=args.think_random,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

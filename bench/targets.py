@@ -23,7 +23,8 @@ def scheduled(one: Requester, workload: Workload) -> LevelRunner:
     """A level runner for one process: the workload's arrival schedule (open loop) or none."""
 
     async def level(prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
-        return await run_level(one, prompts, concurrency, workload.arrival_offsets(prompts), workload.think_s)
+        arrivals, thinks = workload.arrival_offsets(prompts), workload.think_times(prompts)
+        return await run_level(one, prompts, concurrency, arrivals, thinks)
 
     return level
 

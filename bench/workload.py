@@ -34,10 +34,14 @@ class Workload:
     # second, a level's concurrency only a cap (as `vllm bench serve --request-rate`): arrivals
     # do not wait for completions, so a target's speed cannot shift when the next one comes.
     request_rate: float | None = None
-    # Seconds a closed loop's client waits after a response ends before sending the next request
-    # (a user's think time; 0: at once). A diagnostic: the in-process raw target's next request
-    # waits for its busy event loop (~25 ms at 256 streams on the H200), an HTTP client's does not.
+    # Seconds a client waits after a response ends before sending its next request (a user's
+    # think time; 0: at once). With `think_random`, each request's wait is drawn from an
+    # exponential distribution of that mean instead. A diagnostic: the in-process raw target's
+    # next request waits for its busy event loop (a median 16-29 ms at 256 streams on the
+    # H200), an HTTP client's does not, and a fixed wait keeps finishing groups in step where
+    # real clients' varied ones would not.
     think_s: float = 0.0
+    think_random: bool = False
 
     def prompts(self, count: int, batch: str) -> list[list[int]]:
         """`count` prompts for the batch called `batch` (e.g. "c64/r2"): the same ids for every
@@ -62,6 +66,19 @@ class Workload:
             offsets.append(at)
             at += rng.expovariate(self.request_rate)
         return offsets
+
+    def think_times(self, prompts: list[list[int]]) -> list[float] | None:
+        """Seconds each request's client waits after it ends (None: no waiting). Random ones are
+        seeded by each request's own prompt (its unique end, not a shared prefix): every target
+        gets the same waits."""
+        if not self.think_s:
+            return None
+        if not self.think_random:
+            return [self.think_s] * len(prompts)
+        return [
+            random.Random(f"{self.seed}/think/{prompt[-8:]}").expovariate(1 / self.think_s)
+            for prompt in prompts
+        ]
 
     @property
     def total_prompt_tokens(self) -> int:

@@ -230,6 +230,12 @@ def test_http_load_reads_every_token_and_usage(scripted_url: str, clients: int) 
         assert all(start >= ends[i] for i, (start, _, _) in enumerate(rows[3:]))
 
 
+def test_http_load_with_random_think_times_from_two_processes(scripted_url: str) -> None:
+    workload = Workload(prompt_tokens=8, output_tokens=3, vocab_size=1000, think_s=0.01, think_random=True)
+    (level,) = asyncio.run(bench_http(scripted_url, workload, [2], rounds=4, clients=2))
+    assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
+
+
 def test_http_load_counts_refusals_with_the_servers_reason(scripted_url: str) -> None:
     wrong = Workload(prompt_tokens=8, output_tokens=5, vocab_size=1000, model="not-served")
 
@@ -282,10 +288,19 @@ def test_think_time_holds_a_clients_place_before_its_next_request() -> None:
         await asyncio.sleep(0.02)
         return Sample(True, first_token_s=0.01, total_s=0.02, output_tokens=1)
 
-    samples = asyncio.run(gather_limited(one, [[1]] * 4, concurrency=2, think_s=0.1))
+    samples = asyncio.run(gather_limited(one, [[1]] * 4, concurrency=2, thinks=[0.1] * 4))
     starts = sorted(s.started_s for s in samples)
     assert starts[1] < 0.05  # the first two at once
     assert starts[2] >= 0.12  # the next only after the first ended (0.02) and thought (0.1)
+
+
+def test_random_think_times_are_exponential_and_the_same_for_every_target() -> None:
+    fixed, random_ = Workload(think_s=0.02), Workload(think_s=0.02, think_random=True)
+    prompts = fixed.prompts(2000, "c64/r0")
+    assert Workload().think_times(prompts) is None and fixed.think_times(prompts) == [0.02] * 2000
+    waits = random_.think_times(prompts)
+    assert waits is not None and waits == random_.think_times(fixed.prompts(2000, "c64/r0"))
+    assert 0.018 < sum(waits) / len(waits) < 0.022 and len(set(waits)) == 2000  # mean 20 ms, all differ
 
 
 def test_client_cpus_read_tasksets_list_syntax() -> None:
