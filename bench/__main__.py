@@ -177,23 +177,24 @@ def _on_off_list(text: str) -> list[bool]:
 
 
 def _positive_rate(text: str) -> float:
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    rate = _number(text)
     if not 0 < rate < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of requests per second: {text!r}")
     return rate
 
 
 def _think_time(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    seconds = _number(text)
     if not 0 <= seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"must be zero or a positive number of seconds: {text!r}")
     return seconds
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ async def bench_raw(
         timings = time_engine_outputs(llm)  # as the bundle's engine does (shared/engine_outputs.py)
         meters = Meters(
             serving_cpu=time.process_time,
-            engine_output_wait=lambda: (timings.wait.seconds, timings.wait.count),
-            engine_output_handling=lambda: (timings.handling.seconds, timings.handling.count),
+            engine_output_wait=timings.wait.reading,
+            engine_output_handling=timings.handling.reading,
         )
         return {
             "levels": await run_levels(scheduled(one, workload), workload, levels, rounds, repeat, meters),

@@ -74,7 +74,7 @@ def wave_summary(rows: list[list[float]], concurrency: int) -> dict[str, float]:
 
 def report(timelines: dict[str, dict[str, list]], against: str | None) -> str:
     lines = []
-    for level in sorted({int(lv) for target in timelines.values() for lv in target}):
+    for level in _levels(timelines):
         lines.append(f"concurrency {level}: mean TTFT in ms, median over runs")
         rows: dict[str, dict[str, float]] = {}
         for name, target in timelines.items():
@@ -91,8 +91,9 @@ def report(timelines: dict[str, dict[str, list]], against: str | None) -> str:
 
 
 def steady_state(rows: list[list[float]], concurrency: int, output_tokens: int) -> dict[str, float]:
-    """The later requests (after the level's first `concurrency` starts) of one run, in ms."""
-    ok = sorted((row for row in rows if row[1] >= 0), key=lambda row: row[0])
+    """The later requests (after the level's first `concurrency` starts) of one run, in ms.
+    Rows come in start order (`bench.loadgen.timeline_ms`), as `wave_summary` reads them."""
+    ok = [row for row in rows if row[1] >= 0]
     later = ok[concurrency:]
     if not later:
         return {}
@@ -113,7 +114,7 @@ def steady_state(rows: list[list[float]], concurrency: int, output_tokens: int) 
 
 def steady_report(timelines: dict[str, dict[str, list]], output_tokens: int) -> str:
     lines = ["later requests, per run (ms; 'next sent' means something only in a closed loop)"]
-    for level in sorted({int(lv) for target in timelines.values() for lv in target}):
+    for level in _levels(timelines):
         for name, target in timelines.items():
             per_run = [steady_state(run, level, output_tokens) for run in target.get(str(level), [])]
             per_run = [summary for summary in per_run if summary]
@@ -124,6 +125,10 @@ def steady_report(timelines: dict[str, dict[str, list]], output_tokens: int) -> 
             )
             lines.append(f"  c={level:<4} {name:>14}: {cells}")
     return "\n".join(lines)
+
+
+def _levels(timelines: dict[str, dict[str, list]]) -> list[int]:
+    return sorted({int(level) for target in timelines.values() for level in target})
 
 
 def _difference(value: float, key: str, base: dict[str, float] | None) -> str:

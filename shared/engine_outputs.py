@@ -35,6 +35,10 @@ class Tally:
         self.seconds += seconds
         self.count += 1
 
+    def reading(self) -> tuple[float, int]:
+        """(sum, count), as a histogram's are read."""
+        return self.seconds, self.count
+
 
 @dataclass
 class OutputTimings:
