@@ -98,6 +98,7 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--quantization", args.quantization),
         ("--block-size", args.block_size),
+        ("--stream-interval", _beyond_default(getattr(args, "stream_interval", 1), 1)),
     ):
         if value:
             command += [flag, str(value)]
@@ -109,6 +110,12 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
     if graphs is not None:  # BUNDLE_CUDA_GRAPH_MAX_BATCH: unset, both leave the widths to vLLM
         command += ["--compilation-config", orjson.dumps({"max_cudagraph_capture_size": graphs}).decode()]
     return command
+
+
+def _beyond_default(value: int, default: int) -> int | None:
+    """The value when it differs from vLLM's default, so that a default is never passed as a
+    flag (the server might predate it)."""
+    return None if value == default else value
 
 
 def vllm_defaults_command(settings: Settings, port: int) -> list[str]:

@@ -397,6 +397,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         "quantization": settings.quantization,
         "speculative_config": settings.speculative_config,
         "revision": settings.model_revision,
+        **_stream_interval(settings),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
@@ -416,6 +417,18 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         structured_outputs_config=_structured_outputs_config(settings),
         **{key: value for key, value in optional.items() if value is not None},
     )
+
+
+def _stream_interval(settings: Settings) -> dict[str, Any]:
+    """vLLM's engine-level stream interval, only when set and only where this vLLM has it."""
+    if settings.stream_interval is None:
+        return {}
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if "stream_interval" not in getattr(AsyncEngineArgs, "__dataclass_fields__", {}):
+        log.warning("this vLLM has no stream_interval; BUNDLE_STREAM_INTERVAL ignored, every token streamed")
+        return {}
+    return {"stream_interval": settings.stream_interval}
 
 
 def _eager(settings: Settings, on_cpu: bool) -> bool:

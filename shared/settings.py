@@ -74,6 +74,14 @@ class Settings(BaseSettings):
         "so a cap at max_num_seqs slows sustained load (see README, cold start). "
         "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
     )
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Output tokens vLLM gathers per streamed delta after the first (which is "
+        "always sent at once, as is the last). Unset: vLLM's default, 1 (every token its own SSE "
+        "event). A larger value cuts the API process's per-token work, which shares the event "
+        "loop with request admission; streams then arrive in chunks of this many tokens.",
+    )
     trust_remote_code: bool = False
     engine_seed: int = 0
 

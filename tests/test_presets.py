@@ -81,3 +81,16 @@ def test_vllms_server_gets_the_bundles_graph_cap_when_one_is_set(monkeypatch: py
     capped = vllm_server_command(Settings(**graphs, cuda_graph_max_batch=128), 9)
     assert capped[capped.index("--compilation-config") + 1] == '{"max_cudagraph_capture_size":128}'
     assert "--compilation-config" not in vllm_server_command(Settings(**graphs), 9)
+
+
+def test_a_stream_interval_reaches_the_engine_and_vllms_server_only_when_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.servers import vllm_server_command
+
+    assert engine_args(Settings(model="/models/m", stream_interval=4), on_cpu=True).stream_interval == 4
+    assert engine_args(Settings(model="/models/m"), on_cpu=True).stream_interval == 1  # vLLM's default
+    monkeypatch.setattr("vllm.platforms.current_platform.is_cpu", lambda: False)
+    chunked = vllm_server_command(Settings(model="/models/m", stream_interval=4), 9)
+    assert chunked[chunked.index("--stream-interval") + 1] == "4"
+    assert "--stream-interval" not in vllm_server_command(Settings(model="/models/m"), 9)
