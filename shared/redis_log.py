@@ -22,7 +22,7 @@ import orjson
 
 from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, StoreUnavailable
 from shared.metrics import Metrics
-from shared.replay import ReplayBuffer
+from shared.replay import EventsPerWrite, ReplayBuffer
 from shared.store import (
     BODY,
     CHECK_EVERY_S,
@@ -153,8 +153,10 @@ class SharedLog:
     def check_resumable(self, last_event_id: int) -> None:
         self._local.check_resumable(last_event_id)
 
-    def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
-        return self._local.follow(last_event_id, coalesce_s)
+    def follow(
+        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]:
+        return self._local.follow(last_event_id, coalesce_s, events_per_write)
 
     def held_events(self) -> int:
         return self._local.held_events()
@@ -193,8 +195,11 @@ class RemoteSubscription:
                 raise _stored_error(fields[BODY])
             return
 
-    async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
-        """SSE bytes after the resume point until [DONE]; an error event if that cannot be."""
+    async def events(
+        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]:
+        """SSE bytes after the resume point until [DONE]; an error event if that cannot be.
+        The store hands events over in reads of their own, so `events_per_write` is not used."""
         self._metrics.active_streams.inc()
         cursor = self._after
         try:

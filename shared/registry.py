@@ -24,6 +24,7 @@ from typing import Any
 from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded
 from shared.generation import GenerationOutput
 from shared.metrics import Metrics
+from shared.replay import EventsPerWrite
 from shared.settings import Settings
 
 Producer = Callable[[GenerationOutput, Callable[[], str]], Coroutine[Any, Any, None]]
@@ -73,15 +74,19 @@ class Subscription:
         otherwise. Call before sending a status line: bad input must never be a 200."""
         await self._entry.output.admission()
 
-    async def events(self, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
+    async def events(
+        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point, live until the end; closes the subscription after."""
         self._metrics.active_streams.inc()
+        self._registry.streams_written += 1
         try:
-            async for chunk in self._entry.output.events.follow(self._after, coalesce_s):
+            async for chunk in self._entry.output.events.follow(self._after, coalesce_s, events_per_write):
                 yield chunk
         finally:
             # Runs on normal end, on disconnect (cancellation) and on send failures alike.
             self._metrics.active_streams.dec()
+            self._registry.streams_written -= 1
             self.close()
 
     def text(self) -> AsyncIterator[str]:
@@ -111,6 +116,7 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
+        self.streams_written = 0  # this replica's readers of live events, the load a write pays for
         # With a shared store (shared/replicas.py): seconds that readers on other replicas still
         # hold a generation whose grace window ran out here; 0 means none, abort.
         self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None

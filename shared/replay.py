@@ -8,7 +8,9 @@ stream is framed as plain `data:` events, as OpenAI's are.
 A generation's producer appends events; every client follows the buffer from an event id, so
 attaching a duplicate, resuming after a dropped connection and replaying a finished result are
 the same operation. A reader that falls behind receives its backlog in one write, which
-coalesces tokens under load for free.
+coalesces tokens under load for free. Under heavy load a reader may also ask to be woken only
+once several new events exist (`events_per_write`): fewer wake-ups and socket writes per token
+on the event loop that also takes the engine's outputs in, every token still its own event.
 
 `EventLog` is the seam: this in-process buffer is one implementation, and a shared store (events
 of a generation readable from another replica) can be another, behind the same methods.
@@ -17,11 +19,19 @@ of a generation readable from another replica) can be another, behind the same m
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from shared.errors import EventsGone, InvalidRequest
 from shared.streaming import error_frames, sse_data, sse_event
+
+# How many new events a caught-up reader waits for before its next write (see `follow`).
+EventsPerWrite = Callable[[], int]
+
+# Events every stream gets the moment they exist, whatever the load: a chat stream's role
+# opening and its first token, a completion's first two tokens. Time to first token is never
+# traded for fewer writes.
+UNBATCHED_EVENTS = 2
 
 
 class EventLog(Protocol):
@@ -35,7 +45,9 @@ class EventLog(Protocol):
 
     def check_resumable(self, last_event_id: int) -> None: ...
 
-    def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]: ...
+    def follow(
+        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]: ...
 
     def held_events(self) -> int: ...
 
@@ -77,6 +89,9 @@ class ReplayBuffer:
         self.next_sequence = 1
         self.closed = False
         self.changed = Notifier()
+        # The sequence number whose append wakes the waiting readers (the earliest any of them
+        # asked for); None: every append does.
+        self._wake_at: int | None = None
 
     # --- the writer -----------------------------------------------------------------------------
     def append(self, data: bytes) -> None:
@@ -88,10 +103,13 @@ class ReplayBuffer:
             drop = max(overflow, self.max_events // 4)
             del self.events[:drop]
             self.first_sequence += drop
-        self.changed.notify()
+        if self._wake_at is None or self.next_sequence > self._wake_at:
+            self._wake_at = None
+            self.changed.notify()
 
     def close(self) -> None:
         self.closed = True
+        self._wake_at = None
         self.changed.notify()
 
     # --- readers --------------------------------------------------------------------------------
@@ -110,8 +128,13 @@ class ReplayBuffer:
                 param="Last-Event-ID",
             )
 
-    async def follow(self, last_event_id: int, coalesce_s: float = 0.0) -> AsyncIterator[bytes]:
-        """Yield every event after `last_event_id`, then live ones until the stream ends."""
+    async def follow(
+        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]:
+        """Yield every event after `last_event_id`, then live ones until the stream ends.
+
+        `events_per_write()`, asked before each wait once the stream's first events are out:
+        how many new events to wait for (the end of the stream always wakes the reader)."""
         cursor = last_event_id + 1
         while True:
             if cursor < self.first_sequence:
@@ -125,9 +148,21 @@ class ReplayBuffer:
                 continue
             if self.closed:
                 return
+            self._wake_when_held(cursor + _events_to_wait_for(cursor, events_per_write) - 1)
             await self.changed.wait()
             if coalesce_s:
                 await asyncio.sleep(coalesce_s)
 
     def held_events(self) -> int:
         return len(self.events)
+
+    def _wake_when_held(self, sequence: int) -> None:
+        # Every waiting reader is caught up, so they differ only in how many events they want;
+        # the earliest wins (a reader woken early just writes what there is).
+        self._wake_at = sequence if self._wake_at is None else min(self._wake_at, sequence)
+
+
+def _events_to_wait_for(cursor: int, events_per_write: EventsPerWrite | None) -> int:
+    if events_per_write is None or cursor <= UNBATCHED_EVENTS:
+        return 1
+    return max(1, events_per_write())

@@ -149,6 +149,12 @@ class Service:
                 raise
             return await self.replicas.cancel(request_id, CANCEL_WAIT_S)  # owned by another replica
 
+    def events_per_write(self) -> int:
+        """New events a caught-up stream waits for before its next write: 2 while at least
+        `stream_batch_at` streams are being written on this replica, else 1."""
+        batch_at = self.settings.stream_batch_at
+        return 2 if batch_at is not None and self.registry.streams_written >= batch_at else 1
+
     def healthy(self) -> bool:
         """The engine is alive (false once it died: the process should be replaced)."""
         return self.engine.healthy()

@@ -183,6 +183,14 @@ class Settings(BaseSettings):
         description="Wait up to this long to pack several token events into one write "
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
+    stream_batch_at: int | None = Field(
+        None,
+        ge=1,
+        description="While at least this many streams are being written, a stream waits for "
+        "two new events per write after its first two (so its first token is never held): "
+        "half the event loop's wake-ups and socket writes per token, every token still its own "
+        "SSE event, arriving in pairs. Unset: each event written as soon as it exists.",
+    )
 
     @field_validator("preset", mode="before")
     @classmethod

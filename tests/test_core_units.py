@@ -271,6 +271,46 @@ async def test_a_live_reader_gets_events_as_they_come_and_stops_at_close() -> No
     assert received[1] == sse_event(2, b"b") + sse_event(3, b"c")  # a backlog comes in one write
 
 
+async def _live_writes(buffer: ReplayBuffer, events_per_write: int, appends: int) -> list[list[int]]:
+    """Append `appends` events one loop turn apart to a reader paced at `events_per_write`, close,
+    and return the event ids of each write the reader made."""
+    writes: list[list[int]] = []
+
+    async def read() -> None:
+        async for chunk in buffer.follow(0, events_per_write=lambda: events_per_write):
+            writes.append(event_ids(chunk))
+
+    reader = asyncio.create_task(read())
+    await settle()
+    for index in range(appends):
+        buffer.append(b"%d" % index)
+        await settle()
+    buffer.close()
+    await reader
+    return writes
+
+
+async def test_a_paced_reader_writes_events_in_pairs_after_the_first_two_and_nothing_waits_at_the_end() -> None:
+    """Under load (BUNDLE_STREAM_BATCH_AT) a reader wakes once per two events, but never for
+    a stream's first two (the first token is not held), and the end flushes an odd one out."""
+    writes = await _live_writes(ReplayBuffer(max_events=100, numbered=True), 2, appends=7)
+    assert writes == [[1], [2], [3, 4], [5, 6], [7]]
+    assert await _live_writes(ReplayBuffer(max_events=100, numbered=True), 1, appends=4) == [[1], [2], [3], [4]]
+
+
+async def test_readers_of_one_stream_asking_for_different_pacing_are_woken_for_the_earliest() -> None:
+    buffer = ReplayBuffer(max_events=100, numbered=True)
+    for index in range(3):
+        buffer.append(b"%d" % index)
+    paced, eager = buffer.follow(0, events_per_write=lambda: 2), buffer.follow(0)
+    assert event_ids(await anext(paced)) == event_ids(await anext(eager)) == [1, 2, 3]
+    waits = asyncio.gather(anext(paced), anext(eager))
+    await settle()
+    buffer.append(b"3")  # one event: enough for the unpaced reader, so both wake and write it
+    assert [event_ids(chunk) for chunk in await waits] == [[4], [4]]
+    buffer.close()
+
+
 async def test_a_reader_that_falls_behind_the_buffer_gets_an_error_not_a_gap() -> None:
     buffer = ReplayBuffer(max_events=16, numbered=True)
     buffer.append(b"first")

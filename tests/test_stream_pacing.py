@@ -1,0 +1,72 @@
+"""Two ways to spend less of the event loop per streamed token, through the whole bundle on the
+real engine (tiny model):
+- BUNDLE_STREAM_INTERVAL: vLLM hands a stream's tokens out in groups after the first; the bundle
+  must turn each group into one chunk, lose nothing and count every token (the official SDK).
+- BUNDLE_STREAM_BATCH_AT: under load the bundle writes a stream's events two at a time after
+  its first two; every token stays its own event."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import LiveServers
+from tests.real_server import ServerProcess, bundle_server
+
+TOKENS = 13  # 1 + 4 + 4 + 4 with an interval of 4: the first token alone, then full groups
+
+
+@pytest.fixture(scope="module")
+def chunked_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with bundle_server(tmp_path_factory.mktemp("stream-interval"), stream_interval="4") as server:
+        yield server
+
+
+def test_tokens_arrive_in_groups_of_the_interval_and_none_is_lost(chunked_server: ServerProcess) -> None:
+    sdk = openai.OpenAI(base_url=f"{chunked_server.url}/v1", api_key="none", max_retries=0)
+
+    def complete(stream: bool) -> Any:  # the same request both ways; greedy, so the same tokens
+        return sdk.completions.create(
+            model="tiny",
+            prompt="Once upon",
+            max_tokens=TOKENS,
+            temperature=0.0,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else openai.omit,
+            extra_body={"ignore_eos": True},
+        )
+
+    whole = complete(stream=False)
+    chunks = list(complete(stream=True))
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert len(texts) == 4, texts  # one event per group, not one per token
+    assert "".join(texts) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == TOKENS
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+
+
+def test_under_load_events_are_written_in_pairs_after_the_first_two_and_each_token_is_one_event(
+    live: LiveServers,
+) -> None:
+    url, _ = live.serve(stream_batch_at=1)  # one stream is "load": every stream is paced
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 9, "ignore_eos": True, "stream": True}
+    events_seen_at_each_read: list[int] = []
+    received = b""
+    with (
+        httpx.Client(base_url=url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        for piece in reply.iter_raw():
+            received += piece
+            events_seen_at_each_read.append(received.count(b"data: "))
+    total = received.count(b"data: ")
+    assert total == 9 + 1  # one event per token, then [DONE]
+    # Reads may merge writes but never split one, so after the first two events every read
+    # ends on a pair boundary, but the one that brings the end.
+    after_the_first_two = [count for count in events_seen_at_each_read if count > 2 and count != total]
+    assert all(count % 2 == 0 for count in after_the_first_two), events_seen_at_each_read
