@@ -10,7 +10,7 @@ attaching a duplicate, resuming after a dropped connection and replaying a finis
 the same operation. A reader that falls behind receives its backlog in one write, which
 coalesces tokens under load for free. Under heavy load a reader may also ask to be woken only
 once several new events exist (`events_per_write`): fewer wake-ups and socket writes per token
-on the event loop that also takes the engine's outputs in, every token still its own event.
+on the event loop that also takes the engine's outputs in, the events themselves unchanged.
 
 `EventLog` is the seam: this in-process buffer is one implementation, and a shared store (events
 of a generation readable from another replica) can be another, behind the same methods.

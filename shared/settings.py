@@ -188,8 +188,8 @@ class Settings(BaseSettings):
         ge=1,
         description="While at least this many streams are being written, a stream waits for "
         "two new events per write after its first two (so its first token is never held): "
-        "half the event loop's wake-ups and socket writes per token, every token still its own "
-        "SSE event, arriving in pairs. Unset: each event written as soon as it exists.",
+        "half the event loop's wake-ups and socket writes per token, the SSE events themselves "
+        "unchanged, arriving in pairs. Unset: each event written as soon as it exists.",
     )
 
     @field_validator("preset", mode="before")
