@@ -36,6 +36,7 @@ def test_tokens_arrive_in_groups_of_the_interval_and_none_is_lost(chunked_server
             prompt="Once upon",
             max_tokens=TOKENS,
             temperature=0.0,
+            logprobs=1,  # a chunk's logprobs list its tokens: how many each chunk carried
             stream=stream,
             stream_options={"include_usage": True} if stream else openai.omit,
             extra_body={"ignore_eos": True},
@@ -43,11 +44,15 @@ def test_tokens_arrive_in_groups_of_the_interval_and_none_is_lost(chunked_server
 
     whole = complete(stream=False)
     chunks = list(complete(stream=True))
-    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
-    assert len(texts) == 4, texts  # one event per group, not one per token
-    assert "".join(texts) == whole.choices[0].text
+    choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    tokens_per_chunk = [len(choice.logprobs.tokens) for choice in choices]
+    # The first token alone, then groups of 4 (two groups may share a chunk when the bundle's
+    # reader of the engine is late: vLLM merges what is waiting, with or without an interval).
+    assert tokens_per_chunk[0] == 1 and sum(tokens_per_chunk) == TOKENS, tokens_per_chunk
+    assert all(count % 4 == 0 for count in tokens_per_chunk[1:]), tokens_per_chunk
+    assert "".join(choice.text for choice in choices) == whole.choices[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == TOKENS
-    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert choices[-1].finish_reason == "length"
 
 
 def test_under_load_events_are_written_in_pairs_after_the_first_two_and_nothing_is_lost(
