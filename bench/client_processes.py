@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from bench.loadgen import Sample, gather_limited, summarise
+from bench.loadgen import LagTally, Sample, gather_limited, loop_lag_watched, summarise
 from bench.requesters import http_requester, load_client, open_connections
 from bench.workload import Workload
 
@@ -47,9 +47,12 @@ def run_level_in_processes(
         for i in range(clients)
     ]
     parts = [future.result() for future in futures]
-    samples = [Sample(**fields) for rows, _ in parts for fields in rows]
-    wall = max(end for _, end in parts) - start_at
-    return summarise(concurrency, samples, wall)
+    samples = [Sample(**fields) for rows, _, _ in parts for fields in rows]
+    wall = max(end for _, end, _ in parts) - start_at
+    lag = LagTally()
+    for _, _, (seconds, count) in parts:
+        lag.add(LagTally(seconds, count))
+    return lag.record(summarise(concurrency, samples, wall))
 
 
 # BENCH_CLIENT_CPUS=12-15 (taskset's list syntax): the client processes run on these CPUs only,
@@ -76,7 +79,7 @@ def _client_process(
     request_ids: bool,
     arrivals: list[float] | None,
     thinks: list[float] | None,
-) -> tuple[list[dict[str, Any]], float]:
+) -> tuple[list[dict[str, Any]], float, tuple[float, int]]:
     if os.environ.get(CLIENT_CPUS):
         os.sched_setaffinity(0, cpu_list(os.environ[CLIENT_CPUS]))
     share = _client_share(url, workload, prompts, concurrency, start_at, api_key, request_ids, arrivals, thinks)
@@ -93,11 +96,13 @@ async def _client_share(
     request_ids: bool,
     arrivals: list[float] | None,
     thinks: list[float] | None,
-) -> tuple[list[dict[str, Any]], float]:
+) -> tuple[list[dict[str, Any]], float, tuple[float, int]]:
+    """This process's samples, when it finished, and how late its loop ran (seconds, samples)."""
     async with load_client(url) as client:
         one = http_requester(client, workload, api_key, request_ids=request_ids)
         await open_connections(client, concurrency, api_key)
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        samples = await gather_limited(one, prompts, concurrency, arrivals, thinks)
+        async with loop_lag_watched() as lag:
+            samples = await gather_limited(one, prompts, concurrency, arrivals, thinks)
         end = time.time()
-    return [asdict(s) for s in samples], end
+    return [asdict(s) for s in samples], end, (lag.seconds, lag.count)

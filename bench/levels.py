@@ -116,7 +116,8 @@ MEAN_METERS = {
 }
 # Each kept per run beside the median run as `runs_<name>` (the server's TTFT goes there as
 # what the client saw beyond it, `runs_ttft_added_by_server_s`).
-OPTIONAL_MEANS = tuple(name for name in MEAN_METERS if name != "server_ttft_mean_s")
+# The load generator's own loop lag (bench/loadgen.py) rides along the same way.
+OPTIONAL_MEANS = (*(name for name in MEAN_METERS if name != "server_ttft_mean_s"), "client_loop_lag_mean_s")
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -157,7 +158,13 @@ def _line(level: dict) -> str:
         + (f"  prefix-cache hits {cache['hit_rate']:.1%}" if cache else "")
         + _ttft_split(level)
         + _engine_outputs(level)
+        + _client_lag(level)
     )
+
+
+def _client_lag(level: dict) -> str:
+    lag = level.get("client_loop_lag_mean_s")
+    return "" if lag is None else f"  client loop lag mean {lag * 1000:.1f} ms"
 
 
 def _waves(level: dict) -> str:

@@ -10,12 +10,20 @@ Per level it records time to first token, inter-token latency and end-to-end lat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
+
+from shared.loop_lag import watch_loop_lag
+
+# The load generator watches its own event loop too: a client process that falls behind its
+# streams adds to every TTFT it measures, and that time is not the server's. (For raw it is the
+# loop that also runs vLLM's output handler, as a server's is.)
+CLIENT_LAG_INTERVAL_S = 0.02
 
 
 @dataclass
@@ -128,6 +136,41 @@ def cache_counts(queries: int, hits: int) -> dict[str, Any]:
     return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
 
 
+@dataclass
+class LagTally:
+    """How late a loop ran its timer, summed (fed by `shared.loop_lag.watch_loop_lag`)."""
+
+    seconds: float = 0.0
+    count: int = 0
+
+    def observe(self, amount: float) -> None:
+        self.seconds += amount
+        self.count += 1
+
+    def add(self, other: LagTally) -> None:
+        self.seconds += other.seconds
+        self.count += other.count
+
+    def record(self, level: dict[str, Any]) -> dict[str, Any]:
+        """`level` with `client_loop_lag_mean_s` when there was a sample to average."""
+        if self.count:
+            level["client_loop_lag_mean_s"] = self.seconds / self.count
+        return level
+
+
+@contextlib.asynccontextmanager
+async def loop_lag_watched() -> AsyncIterator[LagTally]:
+    """How late this process's event loop runs while the block runs."""
+    tally = LagTally()
+    watcher = asyncio.create_task(watch_loop_lag(tally, CLIENT_LAG_INTERVAL_S))
+    try:
+        yield tally
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
 async def run_level(
     one_request: Requester,
     prompts: list[list[int]],
@@ -138,8 +181,9 @@ async def run_level(
     """Start all requests of a level with at most `concurrency` in flight (and, given
     `arrivals`, each no earlier than its offset from the level's start: an open loop)."""
     started = time.perf_counter()
-    samples = await gather_limited(one_request, prompts, concurrency, arrivals, thinks)
-    return summarise(concurrency, samples, time.perf_counter() - started)
+    async with loop_lag_watched() as lag:
+        samples = await gather_limited(one_request, prompts, concurrency, arrivals, thinks)
+    return lag.record(summarise(concurrency, samples, time.perf_counter() - started))
 
 
 async def gather_limited(

@@ -6,13 +6,18 @@ sets time to first token (see README, Performance)."""
 from __future__ import annotations
 
 import asyncio
-
-from prometheus_client import Histogram
+from typing import Protocol
 
 LAG_INTERVAL_S = 0.1  # one timer per 100 ms: negligible work, enough samples per benchmark level
 
 
-async def watch_loop_lag(lag: Histogram, interval_s: float = LAG_INTERVAL_S) -> None:
+class LagObserver(Protocol):
+    """Where the lateness goes: the server's Prometheus histogram, or the benchmark's tally."""
+
+    def observe(self, amount: float) -> None: ...
+
+
+async def watch_loop_lag(lag: LagObserver, interval_s: float = LAG_INTERVAL_S) -> None:
     """Until cancelled: sleep `interval_s`, record how much later than asked the loop woke us."""
     loop = asyncio.get_running_loop()
     while True:

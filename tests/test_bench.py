@@ -211,6 +211,10 @@ def test_http_load_runs_an_open_loop_on_schedule(scripted_url: str, clients: int
     [rows] = level["runs_timeline_ms"]
     assert rows[-1][0] > 100  # 16 arrivals at 40/s take ~0.4 s, not a burst
     assert "ttft_first_wave_s" not in level
+    # How late each client process's own loop ran (its 20 ms timer fired ~20 times a process):
+    # a client that falls behind would add that to every TTFT it reports.
+    assert 0.0 <= level["client_loop_lag_mean_s"] < 1.0
+    assert level["runs_client_loop_lag_mean_s"] == [level["client_loop_lag_mean_s"]]
 
 
 @pytest.mark.parametrize("clients", [1, 2])
