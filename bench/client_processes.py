@@ -12,9 +12,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from bench.loadgen import LagTally, Sample, gather_limited, loop_lag_watched, summarise
+from bench.loadgen import Sample, gather_limited, loop_lag_watched, summarise, with_client_lag
 from bench.requesters import http_requester, load_client, open_connections
 from bench.workload import Workload
+from shared.engine_outputs import Tally
 
 
 def run_level_in_processes(
@@ -49,10 +50,8 @@ def run_level_in_processes(
     parts = [future.result() for future in futures]
     samples = [Sample(**fields) for rows, _, _ in parts for fields in rows]
     wall = max(end for _, end, _ in parts) - start_at
-    lag = LagTally()
-    for _, _, (seconds, count) in parts:
-        lag.add(LagTally(seconds, count))
-    return lag.record(summarise(concurrency, samples, wall))
+    lag = Tally(sum(seconds for *_, (seconds, _) in parts), sum(count for *_, (_, count) in parts))
+    return with_client_lag(summarise(concurrency, samples, wall), lag)
 
 
 # BENCH_CLIENT_CPUS=12-15 (taskset's list syntax): the client processes run on these CPUs only,

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from shared.engine_outputs import Tally
 from shared.loop_lag import watch_loop_lag
 
 # The load generator watches its own event loop too: a client process that falls behind its
@@ -136,32 +137,17 @@ def cache_counts(queries: int, hits: int) -> dict[str, Any]:
     return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
 
 
-@dataclass
-class LagTally:
-    """How late a loop ran its timer, summed (fed by `shared.loop_lag.watch_loop_lag`)."""
-
-    seconds: float = 0.0
-    count: int = 0
-
-    def observe(self, amount: float) -> None:
-        self.seconds += amount
-        self.count += 1
-
-    def add(self, other: LagTally) -> None:
-        self.seconds += other.seconds
-        self.count += other.count
-
-    def record(self, level: dict[str, Any]) -> dict[str, Any]:
-        """`level` with `client_loop_lag_mean_s` when there was a sample to average."""
-        if self.count:
-            level["client_loop_lag_mean_s"] = self.seconds / self.count
-        return level
+def with_client_lag(level: dict[str, Any], lag: Tally) -> dict[str, Any]:
+    """`level` with `client_loop_lag_mean_s` when there was a sample to average."""
+    if lag.count:
+        level["client_loop_lag_mean_s"] = lag.seconds / lag.count
+    return level
 
 
 @contextlib.asynccontextmanager
-async def loop_lag_watched() -> AsyncIterator[LagTally]:
+async def loop_lag_watched() -> AsyncIterator[Tally]:
     """How late this process's event loop runs while the block runs."""
-    tally = LagTally()
+    tally = Tally()
     watcher = asyncio.create_task(watch_loop_lag(tally, CLIENT_LAG_INTERVAL_S))
     try:
         yield tally
@@ -183,7 +169,7 @@ async def run_level(
     started = time.perf_counter()
     async with loop_lag_watched() as lag:
         samples = await gather_limited(one_request, prompts, concurrency, arrivals, thinks)
-    return lag.record(summarise(concurrency, samples, time.perf_counter() - started))
+    return with_client_lag(summarise(concurrency, samples, time.perf_counter() - started), lag)
 
 
 async def gather_limited(

@@ -26,12 +26,13 @@ from typing import Any
 
 @dataclass
 class Tally:
-    """A running sum and count (seconds), read as a Prometheus summary."""
+    """A running sum and count (seconds), read as a Prometheus summary; `observe` as a
+    histogram's, so that `shared.loop_lag` can feed one too (the benchmark's client lag)."""
 
     seconds: float = 0.0
     count: int = 0
 
-    def add(self, seconds: float) -> None:
+    def observe(self, seconds: float) -> None:
         self.seconds += seconds
         self.count += 1
 
@@ -48,12 +49,12 @@ class OutputTimings:
 
     def taken(self, stamped_at: float, now: float) -> None:
         if stamped_at > 0.0:
-            self.wait.add(max(0.0, now - stamped_at))
+            self.wait.observe(max(0.0, now - stamped_at))
         self._taken_at = now
 
     def asking_again(self, now: float) -> None:
         if self._taken_at is not None:
-            self.handling.add(now - self._taken_at)
+            self.handling.observe(now - self._taken_at)
             self._taken_at = None
 
 
