@@ -116,7 +116,9 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
-        self.streams_written = 0  # this replica's readers of live events, the load a write pays for
+        # Readers following this replica's own generations, the load paired writes respond to
+        # (BUNDLE_STREAM_BATCH_AT); readers of another replica's generation read the store instead.
+        self.streams_written = 0
         # With a shared store (shared/replicas.py): seconds that readers on other replicas still
         # hold a generation whose grace window ran out here; 0 means none, abort.
         self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
