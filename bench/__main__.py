@@ -41,12 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "suite":
         from bench.specs import BadTarget, TargetSpec
-        from bench.suite import run_suite
+        from bench.suite import merge_refusal, run_suite
 
         try:
             [TargetSpec.parse(name) for name in args.targets.split(",")]
         except BadTarget as exc:
             print(f"python -m bench suite: {exc}", file=sys.stderr)
+            return 2
+        refusal = merge_refusal(Path(args.out)) if args.merge else None
+        if refusal:
+            print(f"python -m bench suite: {refusal}", file=sys.stderr)
             return 2
         run_suite(args)
         return 0

@@ -140,6 +140,8 @@ def median_run(runs: list[dict]) -> dict:
     for name in OPTIONAL_MEANS:
         if all(name in run for run in runs):
             chosen[f"runs_{name}"] = [run[name] for run in runs]
+    if all("send_delay_s" in run for run in runs):
+        chosen["runs_send_delay_p50_s"] = [run["send_delay_s"]["p50"] for run in runs]
     if all("prefix_cache" in run for run in runs):
         chosen["runs_prefix_cache_hit_rate"] = [run["prefix_cache"]["hit_rate"] for run in runs]
     return chosen
@@ -163,8 +165,10 @@ def _line(level: dict) -> str:
 
 
 def _client_lag(level: dict) -> str:
-    lag = level.get("client_loop_lag_mean_s")
-    return "" if lag is None else f"  client loop lag mean {lag * 1000:.1f} ms"
+    lag, sent = level.get("client_loop_lag_mean_s"), level.get("send_delay_s")
+    return ("" if lag is None else f"  client loop lag mean {lag * 1000:.1f} ms") + (
+        "" if sent is None else f"  sent after due p50/p99 {sent['p50'] * 1000:.1f}/{sent['p99'] * 1000:.1f} ms"
+    )
 
 
 def _waves(level: dict) -> str:

@@ -47,8 +47,11 @@ class Sample:
     # later ones start one by one as earlier ones finish. Their TTFTs differ in kind: a p50 over
     # both can sit between the two groups and jump from run to run.
     first_wave: bool = False
-    # When it started, seconds from its level's start (its client process's, for several).
+    # When it was due (see `gather_limited`), seconds from its level's start (its client
+    # process's, for several); its first token and end are counted from then.
     started_s: float = 0.0
+    # How long after it was due it was sent: the client's own delay, inside its TTFT.
+    send_delay_s: float = 0.0
 
 
 # One request: prompt token ids -> its timeline.
@@ -89,6 +92,8 @@ def summarise(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         **_waves(good),
         "itl_s": percentiles([gap for s in good for gap in s.gaps_s]),
         "e2e_s": percentiles([s.total_s for s in good]),
+        # The client's own share of those: how long after it was due each request was sent.
+        "send_delay_s": percentiles([s.send_delay_s for s in samples]),
         **prefix_cache_summary(good),
         "timeline_ms": timeline_ms(samples),
     }
@@ -106,14 +111,15 @@ def _waves(good: list[Sample]) -> dict[str, Any]:
 
 
 def timeline_ms(samples: list[Sample]) -> list[list[float]]:
-    """Every request as [started, first token, end] in ms from the level's start (first token
-    -1 for a failed one), in start order: what a percentile hides, e.g. which part of a burst
-    a target is slower for. Kept out of bench.json (see bench.timelines)."""
+    """Every request as [due, first token, end, sent] in ms from the level's start (first token
+    -1 for a failed one), in order of due time: what a percentile hides, e.g. which part of a
+    burst a target is slower for. Kept out of bench.json (see bench.timelines)."""
     rows = [
         [
             round(s.started_s * 1000, 1),
             round((s.started_s + s.first_token_s) * 1000, 1) if s.ok else -1.0,
             round((s.started_s + s.total_s) * 1000, 1),
+            round((s.started_s + s.send_delay_s) * 1000, 1),
         ]
         for s in samples
     ]
@@ -179,20 +185,37 @@ async def gather_limited(
     arrivals: list[float] | None = None,
     thinks: list[float] | None = None,
 ) -> list[Sample]:
-    """`thinks`: how long each request keeps its place among the `concurrency` after it ends."""
-    gate = asyncio.Semaphore(concurrency)
+    """`thinks`: how long each request keeps its place among the `concurrency` after it ends.
+
+    Every request is timed from when it was due, not from when it was sent: from the moment its
+    place among the `concurrency` came free (the level's start for the opening burst; an earlier
+    request's end, plus its think time) or its arrival in an open loop, whichever is later. A
+    client that is slow to send would otherwise leave its own delay out of every figure
+    (coordinated omission). That matters for raw, whose requests are sent by the loop that
+    also runs vLLM's output handler: at 256 streams it sent each ~20 ms after its place came
+    free, time a server's clients spend waiting for its admission, which their TTFT counts.
+    How late each request was sent is kept as its `send_delay_s`."""
     level_started = time.perf_counter()
+    places: asyncio.Queue[float] = asyncio.Queue()  # when each free place came free
+    for _ in range(concurrency):
+        places.put_nowait(level_started)
 
     async def limited(prompt: list[int], due_s: float | None, think_s: float) -> Sample:
         if due_s is not None:
             await asyncio.sleep(due_s - (time.perf_counter() - level_started))
-        async with gate:  # a request's clock starts when it is sent, as in `vllm bench serve`
-            started = time.perf_counter()
+        freed_at = await places.get()  # first come, first served, as a semaphore's waiters
+        due = max(freed_at, level_started + (due_s or 0.0))
+        sent = time.perf_counter()
+        try:
             sample = await one_request(prompt)
-            sample.started_s = started - level_started
-            if think_s:
-                await asyncio.sleep(think_s)
-            return sample
+        except BaseException:
+            places.put_nowait(time.perf_counter())
+            raise
+        ended = time.perf_counter()
+        if think_s:
+            await asyncio.sleep(think_s)
+        places.put_nowait(ended + think_s)
+        return from_due(sample, due - level_started, sent - due)
 
     offsets: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(prompts)
     waits = thinks if thinks is not None else [0.0] * len(prompts)
@@ -202,3 +225,13 @@ async def gather_limited(
         for sample in samples[:concurrency]:
             sample.first_wave = True
     return samples
+
+
+def from_due(sample: Sample, due_s: float, send_delay_s: float) -> Sample:
+    """`sample` (timed by its requester from the send) timed from when it was due instead."""
+    sample.started_s = due_s
+    sample.send_delay_s = send_delay_s
+    sample.total_s += send_delay_s
+    if sample.ok:
+        sample.first_token_s += send_delay_s
+    return sample

@@ -77,6 +77,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "workload": vars(workload),
         "repeat": args.repeat,
         "rounds": args.rounds,
+        "timed_from": TIMED_FROM,
         # Targets run in separate invocations (a GPU lease splits them) add up in one report,
         # read when this one ends: a run beside it on another GPU may have written meanwhile.
         "targets": {**(previous_targets(out / "bench.json") if args.merge else {}), **results},
@@ -95,8 +96,25 @@ def write_report(report: dict[str, Any], out: Path) -> None:
         plot(report, out / "bench.png")
 
 
+# How a report's requests were timed: from when each was due (bench.loadgen.gather_limited).
+# Reports from before that timed them from the send and do not say.
+TIMED_FROM = "due"
+
+
+def timed_from(report: dict[str, Any]) -> str:
+    return report.get("timed_from", "send")
+
+
 def previous_targets(report: Path) -> dict[str, Any]:
     return orjson.loads(report.read_bytes())["targets"] if report.exists() else {}
+
+
+def merge_refusal(out: Path) -> str | None:
+    """Why a run cannot be merged into the report in `out`, or None if it can (or none is there)."""
+    path = out / "bench.json"
+    if path.exists() and timed_from(orjson.loads(path.read_bytes())) != TIMED_FROM:
+        return f"{path} timed its requests from the send, this run from when each was due; use another --out"
+    return None
 
 
 def merge_reports(paths: list[Path]) -> dict[str, Any]:
@@ -105,10 +123,14 @@ def merge_reports(paths: list[Path]) -> dict[str, Any]:
     reports = [orjson.loads(path.read_bytes()) for path in paths]
     # A report from before a workload field existed ran that field's default.
     defaults = vars(Workload())
-    runs = [[{**defaults, **report["workload"]}, report.get("rounds")] for report in reports]
+    runs = [
+        [{**defaults, **report["workload"]}, report.get("rounds"), timed_from(report)] for report in reports
+    ]
     workloads = {orjson.dumps(run, option=orjson.OPT_SORT_KEYS) for run in runs}
     if len(workloads) > 1:
-        raise ValueError("these reports ran different workloads; their targets cannot share a table")
+        raise ValueError(
+            "these reports ran different workloads or timed them differently: they cannot share a table"
+        )
     merged = {**reports[0], "date": max(report["date"] for report in reports), "targets": {}}
     for report in reports:
         merged["targets"].update(report["targets"])

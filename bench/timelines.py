@@ -6,8 +6,9 @@ earlier one ends. Which part of the burst a target is slower for says where its 
 a constant delay for every request is per-request overhead (parsing, admission), a delay that
 grows along the burst is a queue (a busy event loop, requests reaching the engine one by one).
 
-`bench.json` keeps summaries; the rows ([started, first token, end] in ms from the level's
-start, per request, per run) go to `timelines.json` beside it, one entry per target and level.
+`bench.json` keeps summaries; the rows ([due, first token, end, sent] in ms from the level's
+start, per request, per run; files from before requests were timed from when they were due
+have [sent, first token, end]) go to `timelines.json` beside it, one entry per target and level.
 
     python -m bench timelines bench/gpu-results/bench/timelines.json [--against raw]
 
@@ -104,16 +105,25 @@ def steady_state(rows: list[list[float]], concurrency: int, output_tokens: int) 
     if output_tokens > 1:
         after_first = output_tokens - 1
         summary["per token after the first"] = statistics.fmean((r[2] - r[1]) / after_first for r in later)
-    # Closed loop: the k-th later start answers the k-th end (the level's last ends answer none).
-    ends = sorted(r[2] for r in ok)
-    summary["next sent after an end (median)"] = statistics.median(
-        r[0] - end for r, end in zip(later, ends, strict=False)
-    )
+    summary["sent after due (median)"] = statistics.median(_send_delays(later, ok))
     return summary
 
 
+def _send_delays(later: list[list[float]], ok: list[list[float]]) -> list[float]:
+    """How long after it was due each later request was sent (ms). Rows since the benchmark
+    times requests from when they were due carry the send as a 4th column; in older ones the
+    first column is the send, and in a closed loop the k-th later start answers the k-th end
+    (the level's last ends answer none)."""
+    if all(len(r) > 3 for r in later):
+        return [r[3] - r[0] for r in later]
+    ends = sorted(r[2] for r in ok)
+    return [r[0] - end for r, end in zip(later, ends, strict=False)]
+
+
 def steady_report(timelines: dict[str, dict[str, list]], output_tokens: int) -> str:
-    lines = ["later requests, per run (ms; 'next sent' means something only in a closed loop)"]
+    lines = [
+        "later requests, per run (ms; in older files, 'sent after due' means something only in a closed loop)"
+    ]
     for level in _levels(timelines):
         for name, target in timelines.items():
             per_run = [steady_state(run, level, output_tokens) for run in target.get(str(level), [])]

@@ -225,13 +225,14 @@ def test_http_load_reads_every_token_and_usage(scripted_url: str, clients: int) 
     assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
     assert level["output_tokens"] == 16 * 5
     assert level["ttft_s"]["p50"] > 0
-    # Every request's [started, first token, end], kept for bench.timelines: 3 start at once,
+    # Every request's [due, first token, end, sent], kept for bench.timelines: 3 due at once,
     # each later one only when an earlier one has ended.
     [rows] = level["runs_timeline_ms"]
-    assert len(rows) == 16 and all(start < first <= end for start, first, end in rows)
-    ends = sorted(end for _, _, end in rows)
+    assert len(rows) == 16 and all(due <= sent < first <= end for due, first, end, sent in rows)
+    ends = sorted(end for _, _, end, _ in rows)
     if clients == 1:
-        assert all(start >= ends[i] for i, (start, _, _) in enumerate(rows[3:]))
+        assert all(due >= ends[i] for i, (due, *_) in enumerate(rows[3:]))
+    assert 0.0 <= level["send_delay_s"]["p50"] <= level["send_delay_s"]["p99"] < 1.0
 
 
 def test_http_load_with_random_think_times_from_two_processes(scripted_url: str) -> None:
@@ -280,9 +281,29 @@ def test_an_open_loop_sends_each_request_on_time_and_caps_those_in_flight() -> N
     samples = asyncio.run(gather_limited(one, [[1]] * 5, concurrency=2, arrivals=arrivals))
     starts = [s.started_s for s in samples]
     assert peak == 2 and not any(s.first_wave for s in samples)  # no burst in an open loop
-    assert starts[2] >= 0.05  # the third arrival waited for a free slot
-    assert 0.2 <= starts[3] < 0.3 <= starts[4] < 2.0
+    assert starts[2] >= 0.05  # the third arrival waited for a free slot: due when one freed
+    assert starts[3:] == pytest.approx([0.2, 0.3], abs=1e-6)  # the others due on schedule
+    assert all(0.0 <= s.send_delay_s < 1.0 for s in samples)  # and sent then
     assert "ttft_first_wave_s" not in summarise(2, samples, 1.0)
+
+
+def test_a_request_is_timed_from_when_it_was_due_not_from_a_late_send() -> None:
+    """A client whose loop is busy when a place comes free sends late; that wait is inside the
+    request's TTFT (else a target that shares its loop with the client, raw, would leave it out)."""
+    from bench.loadgen import gather_limited
+
+    async def one(prompt: list[int]) -> Sample:
+        await asyncio.sleep(0.01)
+        if prompt == [1]:  # the loop is busy for 50 ms right as the first request ends
+            asyncio.get_running_loop().call_soon(time.sleep, 0.05)
+        return Sample(True, first_token_s=0.005, total_s=0.01, output_tokens=1)
+
+    first, second = asyncio.run(gather_limited(one, [[1], [2]], concurrency=1))
+    assert first.send_delay_s < 0.04 <= second.send_delay_s < 1.0
+    assert second.first_token_s >= 0.045 and second.total_s >= 0.05
+    assert second.started_s < first.started_s + first.total_s + 0.005  # due at the first's end
+    rows = summarise(1, [first, second], 1.0)["timeline_ms"]
+    assert rows[1][3] - rows[1][0] >= 40  # [due, first token, end, sent] in ms
 
 
 def test_think_time_holds_a_clients_place_before_its_next_request() -> None:
@@ -367,20 +388,34 @@ def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
     other = {**whole, "workload": {**whole["workload"], "output_tokens": 1}}
     (tmp_path / "other.json").write_bytes(orjson.dumps(other))
     assert bench_main(["merge", str(tmp_path / "x"), str(parts[0]), str(tmp_path / "other.json")]) == 2
+    # Requests timed from when they were due (now) and from the send (that file) share no table,
+    # merged afterwards or by a suite run into the same folder (refused before it runs anything).
+    (tmp_path / "due.json").write_bytes(orjson.dumps({**whole, "timed_from": "due"}))
+    assert bench_main(["merge", str(tmp_path / "y"), str(parts[0]), str(tmp_path / "due.json")]) == 2
+    assert bench_main(["suite", "--targets", "raw", "--merge", "--out", str(tmp_path / "out")]) == 2
 
 
 def test_timelines_show_the_later_requests_time_in_the_system(tmp_path: Path, capsys) -> None:
     from bench import timelines
 
-    # Closed loop of 2: two start at 0; each later one is sent 5 ms after an end. 11 tokens out.
-    rows = [[0.0, 100.0, 300.0], [0.0, 120.0, 320.0], [305.0, 405.0, 605.0], [325.0, 445.0, 625.0]]
+    # Closed loop of 2: two due at 0; each later one is due at an end and sent 5 ms after it.
+    # 11 tokens out. Rows: [due, first token, end, sent].
+    rows = [
+        [0.0, 100.0, 300.0, 0.0],
+        [0.0, 120.0, 320.0, 0.0],
+        [300.0, 405.0, 605.0, 305.0],
+        [320.0, 445.0, 625.0, 325.0],
+    ]
     steady = timelines.steady_state(rows, 2, output_tokens=11)
     assert steady == {
-        "start to end": 300.0,
-        "TTFT": 110.0,
+        "start to end": 305.0,
+        "TTFT": 115.0,
         "per token after the first": 19.0,
-        "next sent after an end (median)": 5.0,
+        "sent after due (median)": 5.0,
     }
+    # Files from before the fourth column: the first is the send, the delay read off the ends.
+    old_rows = [[0.0, 100.0, 300.0], [0.0, 120.0, 320.0], [305.0, 405.0, 605.0], [325.0, 445.0, 625.0]]
+    assert timelines.steady_state(old_rows, 2, output_tokens=11)["sent after due (median)"] == 5.0
     (tmp_path / "timelines.json").write_bytes(orjson.dumps({"bundle": {"2": [rows]}}))
     (tmp_path / "bench.json").write_bytes(orjson.dumps({"workload": {"output_tokens": 11}}))
     assert timelines.main([str(tmp_path / "timelines.json")]) == 0
@@ -399,4 +434,6 @@ def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -
     samples = asyncio.run(gather_limited(one, [[1]] * 4 + [[9]] * 4, concurrency=4))
     assert [s.first_wave for s in samples] == [True] * 4 + [False] * 4
     level = summarise(4, samples, 1.0)
-    assert level["ttft_first_wave_s"]["p50"] == 0.001 and level["ttft_later_s"]["p50"] == 0.009
+    # (each plus the moment its coroutine took to send it: the requests are timed from when due)
+    assert level["ttft_first_wave_s"]["p50"] == pytest.approx(0.001, abs=0.003)
+    assert level["ttft_later_s"]["p50"] == pytest.approx(0.009, abs=0.003)
