@@ -90,7 +90,8 @@ case "$stage" in
     # an open loop at BENCH_RATE (default 30/s); a closed loop whose clients wait a random
     # (exponential) time of mean BENCH_THINK (default 0.025 s) after each response; the closed
     # loop with vLLM's stream interval BUNDLE_STREAM_INTERVAL (default 4) for both; or with the
-    # bundle writing events in pairs from BUNDLE_STREAM_BATCH_AT streams (default 128; raw has
+    # bundle writing events in pairs from BUNDLE_STREAM_BATCH_AT streams (default 128; on this
+    # vLLM 0.26 the bundle's paired writes, as it has no per-request stream interval; raw has
     # no writes, it is the same-lease baseline). Folders bench-open, -think, -interval, -batch
     case "$stage" in
       open) shape=(BENCH_RATE="${BENCH_RATE:-30}") ;;

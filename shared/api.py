@@ -210,7 +210,7 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)
     settings = service.settings
-    pacing = service.events_per_write if settings.stream_batch_at is not None else None
+    pacing = service.events_per_write if service.pairs_writes else None
     events = subscription.events(settings.stream_coalesce_ms / 1000, pacing)
     return EventStreamResponse(events, headers={**SSE_HEADERS, **headers})
 

@@ -51,6 +51,9 @@ class SamplingRequest:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     constraint: OutputConstraint | None = None  # structured output (JSON schema or object)
+    # Tokens per output after the first (the first and the last come at once); None: the
+    # engine's own interval. Only an engine with `paces_each_request` honours it.
+    stream_interval: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class Engine(Protocol):
     """What the API needs from a model server; `tests/fakes.py` has a fault-injecting twin."""
 
     info: EngineInfo
+    # Whether `SamplingRequest.stream_interval` is honoured (vLLM's per-request interval).
+    paces_each_request: bool
 
     def tokenize(self, prompt: str) -> list[int]: ...
 
@@ -156,6 +161,7 @@ class VLLMEngine:
         self.output_timings = time_engine_outputs(llm)
         self._sleeper = Sleeper(llm, wake_wait_s)
         self.tool_call_parser = tool_call_parser
+        self.paces_each_request = takes_request_stream_interval()
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
@@ -347,7 +353,16 @@ def _sampling_params(request: SamplingRequest) -> Any:
         structured_outputs=_structured_outputs(request.constraint),
         # Deltas, not cumulative text: O(1) work per token instead of O(n).
         output_kind=RequestOutputKind.DELTA,
+        **({"stream_interval": request.stream_interval} if request.stream_interval is not None else {}),
     )
+
+
+def takes_request_stream_interval() -> bool:
+    """Whether this vLLM's `SamplingParams` takes a per-request `stream_interval` (0.32 does,
+    clamped up to the engine's; 0.26, the H200 build, has the engine-level one only)."""
+    from vllm import SamplingParams
+
+    return "stream_interval" in getattr(SamplingParams, "__struct_fields__", ())
 
 
 def _structured_outputs(constraint: OutputConstraint | None) -> Any:

@@ -186,10 +186,12 @@ class Settings(BaseSettings):
     stream_batch_at: int | None = Field(
         None,
         ge=1,
-        description="While at least this many streams are being written, a stream waits for "
-        "two new events per write after its first two (so its first token is never held): "
-        "half the event loop's wake-ups and socket writes per token, the SSE events themselves "
-        "unchanged, arriving in pairs. Unset: each event written as soon as it exists.",
+        description="While at least this many streams are being written, streams get their "
+        "tokens in pairs after the first. Where vLLM takes a per-request stream interval (0.32 "
+        "on), a generation admitted then asks it for 2 tokens per output: half of vLLM's own "
+        "output work per token, and of the bundle's. On an older vLLM a stream instead waits "
+        "for two new events per write after its first two: half the event loop's wake-ups and "
+        "socket writes, the SSE events themselves unchanged. Unset: every token as it is made.",
     )
 
     @field_validator("preset", mode="before")

@@ -18,6 +18,7 @@ class DyingEngine:
 
     def __init__(self, die_after: int = 3) -> None:
         self.info = EngineInfo(model_name="tiny", max_model_len=2048)
+        self.paces_each_request = False
         self.die_after = die_after
         self.dead = False
         self.running = 0

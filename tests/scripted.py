@@ -19,8 +19,10 @@ class ScriptedEngine:
 
     def __init__(self, *, auto: bool = False) -> None:
         self.info = EngineInfo(model_name="tiny", max_model_len=4096, vocab_size=1000)
+        self.paces_each_request = False  # one token per delta, whatever the request asks
         self.auto = auto
         self.started: list[str] = []  # engine request ids, in order
+        self.requests: list[SamplingRequest] = []  # what each generation asked for, in order
         self.aborted: list[str] = []
         self.running: dict[str, asyncio.Queue[int]] = {}
         self.tokenized_on: list[str] = []  # the thread each prompt was tokenized on
@@ -35,6 +37,7 @@ class ScriptedEngine:
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         releases: asyncio.Queue[int] = asyncio.Queue()
         self.started.append(request_id)
+        self.requests.append(request)
         self.running[request_id] = releases
         produced = 0
         try:

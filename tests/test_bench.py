@@ -388,11 +388,15 @@ def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
     other = {**whole, "workload": {**whole["workload"], "output_tokens": 1}}
     (tmp_path / "other.json").write_bytes(orjson.dumps(other))
     assert bench_main(["merge", str(tmp_path / "x"), str(parts[0]), str(tmp_path / "other.json")]) == 2
-    # Requests timed from when they were due (now) and from the send (that file) share no table,
-    # merged afterwards or by a suite run into the same folder (refused before it runs anything).
-    (tmp_path / "due.json").write_bytes(orjson.dumps({**whole, "timed_from": "due"}))
-    assert bench_main(["merge", str(tmp_path / "y"), str(parts[0]), str(tmp_path / "due.json")]) == 2
-    assert bench_main(["suite", "--targets", "raw", "--merge", "--out", str(tmp_path / "out")]) == 2
+    # Requests timed from when they were due (now) and from the send (reports from before
+    # said nothing) share no table, merged afterwards or by a suite run into the same folder
+    # (refused before it runs anything).
+    assert whole["timed_from"] == "due"
+    sent = {key: value for key, value in whole.items() if key != "timed_from"}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old/bench.json").write_bytes(orjson.dumps(sent))
+    assert bench_main(["merge", str(tmp_path / "y"), str(parts[0]), str(tmp_path / "old/bench.json")]) == 2
+    assert bench_main(["suite", "--targets", "raw", "--merge", "--out", str(tmp_path / "old")]) == 2
 
 
 def test_timelines_show_the_later_requests_time_in_the_system(tmp_path: Path, capsys) -> None:
