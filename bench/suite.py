@@ -57,6 +57,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         request_rate=args.request_rate,
         think_s=args.think_time,
         think_random=args.think_random,
+        output_spread=args.output_spread,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -175,9 +175,12 @@ def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def _output_tokens_beside(timelines_path: Path) -> int:
-    """The workload's output length from the report beside the file (0 if there is none)."""
+    """The workload's output length from the report beside the file (0 if there is none, or
+    if each request had its own: `output_spread`)."""
     try:
         report = orjson.loads((timelines_path.parent / "bench.json").read_bytes())
+        if report["workload"].get("output_spread"):
+            return 0
         return int(report["workload"]["output_tokens"])
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return 0

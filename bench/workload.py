@@ -1,4 +1,5 @@
-"""What the benchmark sends: token-id prompts of a fixed length and a fixed output length.
+"""What the benchmark sends: token-id prompts of a fixed length, and a fixed output length or
+one drawn per request around it (`output_spread`).
 
 Every request of a suite gets its own prompt, and every target gets the same ones. vLLM's
 prefix cache is on by default: a prompt sent twice skips its prefill the second time (on the
@@ -42,6 +43,12 @@ class Workload:
     # real clients' varied ones would not.
     think_s: float = 0.0
     think_random: bool = False
+    # Each request's output length drawn uniformly within this share either side of
+    # `output_tokens` (0: every request the same length). With one length, a closed loop's
+    # requests prefilled in one engine step also end in one, and their replacements go round
+    # together as a clump: TTFT then comes in whole prefill steps (at 256 streams on the H200
+    # a run's p50 was ~600 or ~790 ms, nothing between). Varied lengths break the clumps up.
+    output_spread: float = 0.0
 
     def prompts(self, count: int, batch: str) -> list[list[int]]:
         """`count` prompts for the batch called `batch` (e.g. "c64/r2"): the same ids for every
@@ -79,6 +86,15 @@ class Workload:
             random.Random(f"{self.seed}/think/{prompt[-8:]}").expovariate(1 / self.think_s)
             for prompt in prompts
         ]
+
+    def output_length(self, prompt: list[int]) -> int:
+        """Tokens to generate for this prompt: `output_tokens`, or with `output_spread` a length
+        seeded by the prompt's unique end, so every target generates the same lengths."""
+        if not self.output_spread:
+            return self.output_tokens
+        low = max(1, round(self.output_tokens * (1 - self.output_spread)))
+        high = max(low, round(self.output_tokens * (1 + self.output_spread)))
+        return random.Random(f"{self.seed}/output/{prompt[-8:]}").randint(low, high)
 
     @property
     def total_prompt_tokens(self) -> int:

@@ -112,6 +112,28 @@ def test_every_request_of_a_suite_gets_its_own_prompt_and_every_target_the_same(
     assert not {tuple(p) for p in warm_up} & {tuple(p) for p in first}
 
 
+def test_output_spread_draws_each_requests_length_the_same_for_every_target() -> None:
+    workload = Workload(output_tokens=100, output_spread=0.5)
+    prompts = workload.prompts(400, "c256/r0")
+    lengths = [workload.output_length(p) for p in prompts]
+    assert lengths == [Workload(output_tokens=100, output_spread=0.5).output_length(p) for p in prompts]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 50
+    assert 90 < sum(lengths) / len(lengths) < 110  # uniform around 100 (400 draws)
+    assert {Workload(output_tokens=100).output_length(p) for p in prompts} == {100}
+    for bad in ("1", "-0.1", "half"):
+        with pytest.raises(SystemExit) as refused:  # argparse: one line and exit code 2
+            bench_main(["http", "--url", "http://127.0.0.1:9", "--output-spread", bad])
+        assert refused.value.code == 2
+
+
+def test_http_load_asks_each_request_for_its_own_length(scripted_url: str) -> None:
+    workload = Workload(prompt_tokens=8, output_tokens=6, vocab_size=1000, output_spread=0.5)
+    (level,) = asyncio.run(bench_http(scripted_url, workload, [4], rounds=4))
+    assert (level["requests"], level["errors"]) == (16, 0), level["error_kinds"]
+    prompts = workload.prompts(16, "c4/r0")  # the level's prompts (bench.levels names the batch)
+    assert level["output_tokens"] == sum(workload.output_length(p) for p in prompts) != 16 * 6
+
+
 def test_shared_prefix_prompts_share_the_prefix_and_nothing_after_it() -> None:
     workload = Workload(prompt_tokens=8, shared_prefix_tokens=50)
     prompts = workload.prompts(20, "c4/r0") + workload.prompts(20, "c4/r1")
