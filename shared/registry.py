@@ -79,14 +79,12 @@ class Subscription:
     ) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point, live until the end; closes the subscription after."""
         self._metrics.active_streams.inc()
-        self._registry.streams_written += 1
         try:
             async for chunk in self._entry.output.events.follow(self._after, coalesce_s, events_per_write):
                 yield chunk
         finally:
             # Runs on normal end, on disconnect (cancellation) and on send failures alike.
             self._metrics.active_streams.dec()
-            self._registry.streams_written -= 1
             self.close()
 
     def text(self) -> AsyncIterator[str]:
@@ -116,13 +114,15 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
-        # Readers following this replica's own generations, the load paired writes respond to
-        # (BUNDLE_STREAM_BATCH_AT); readers of another replica's generation read the store instead.
-        self.streams_written = 0
         # With a shared store (shared/replicas.py): seconds that readers on other replicas still
         # hold a generation whose grace window ran out here; 0 means none, abort.
         self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
         self._rechecks: set[asyncio.Task[None]] = set()
+
+    @property
+    def running(self) -> int:
+        """Generations running on this replica now (the load `stream_batch_at` responds to)."""
+        return len(self._running)
 
     # --- lookup -----------------------------------------------------------------------------
     def find(self, request_id: str, fingerprint: str) -> Entry | None:

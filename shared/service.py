@@ -160,21 +160,22 @@ class Service:
 
     def events_per_write(self) -> int:
         """New events a caught-up stream waits for before its next write: 2 while at least
-        `stream_batch_at` streams are being written on this replica, else 1."""
+        `stream_batch_at` generations run on this replica, else 1."""
         return PAIRED if self._under_stream_load() else 1
 
     def _paced_interval(self) -> int | None:
-        """A new generation's tokens per output after the first: 2 from vLLM itself while at
-        least `stream_batch_at` streams are being written here and the engine paces each
-        request (half of vLLM's own per-token output work goes too, not only the writes);
-        None, the engine's own interval, otherwise."""
+        """A new generation's tokens per output after the first: 2 from vLLM itself when at
+        least `stream_batch_at` generations already run here and the engine paces each request
+        (half of vLLM's own per-token output work goes too, not only the writes); None, the
+        engine's own interval, otherwise. Counted by generations admitted, not by streams being
+        written: in a burst every request is admitted before the first stream is written."""
         if self.engine.paces_each_request and self._under_stream_load():
             return PAIRED
         return None
 
     def _under_stream_load(self) -> bool:
         batch_at = self.settings.stream_batch_at
-        return batch_at is not None and self.registry.streams_written >= batch_at
+        return batch_at is not None and self.registry.running >= batch_at
 
     def healthy(self) -> bool:
         """The engine is alive (false once it died: the process should be replaced)."""

@@ -186,8 +186,8 @@ class Settings(BaseSettings):
     stream_batch_at: int | None = Field(
         None,
         ge=1,
-        description="While at least this many streams are being written, streams get their "
-        "tokens in pairs after the first. Where vLLM takes a per-request stream interval (0.32 "
+        description="While at least this many generations run on this replica, streams get "
+        "their tokens in pairs after the first. Where vLLM takes a per-request stream interval (0.32 "
         "on), a generation admitted then asks it for 2 tokens per output: half of vLLM's own "
         "output work per token, and of the bundle's. On an older vLLM a stream instead waits "
         "for two new events per write after its first two: half the event loop's wake-ups and "

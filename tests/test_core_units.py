@@ -291,34 +291,34 @@ async def _live_writes(buffer: ReplayBuffer, events_per_write: int, appends: int
 
 
 async def test_under_stream_load_an_engine_that_paces_each_request_is_asked_for_pairs() -> None:
-    """With `stream_batch_at`, a generation admitted while that many streams are written gets
+    """With `stream_batch_at`, a generation admitted while that many already run gets its
     tokens in pairs: from the engine itself where it can (vLLM's per-request stream interval),
     else by the bundle's paired writes. Below the threshold, every token as it is made."""
     pacing = ScriptedEngine()
     pacing.paces_each_request = True
     service, engine = make_service(pacing, stream_batch_at=2)
     assert not service.pairs_writes  # the engine paces: the writes are not held as well
-    readers = [service.open("chat", chat()) for _ in range(3)]
-    streams = [asyncio.create_task(drain(reader.events())) for reader in readers[:2]]
-    await settle()  # two streams being written now
-    late = service.open("chat", chat())
+    # Counted as they are admitted: a burst's third request already sees two running.
+    readers = [service.open("chat", chat()) for _ in range(4)]
     await settle()
-    assert [request.stream_interval for request in engine.requests] == [None, None, None, 2]
+    assert [request.stream_interval for request in engine.requests] == [None, None, 2, 2]
     engine.auto = True
     engine.step(8)
-    for reader in (readers[2], late):
-        await drain(reader.events())
-    await asyncio.gather(*streams)
+    await asyncio.gather(*(drain(reader.events()) for reader in readers))
+    assert service.registry.running == 0
+    alone = service.open("chat", chat())  # the load gone, every token again
+    await drain(alone.events())
+    assert len(engine.requests) == 5 and engine.requests[-1].stream_interval is None
 
     service, engine = make_service(stream_batch_at=2)  # an engine that cannot pace requests
     assert service.pairs_writes and service.events_per_write() == 1
     readers = [service.open("chat", chat()) for _ in range(3)]
-    streams = [asyncio.create_task(drain(reader.events())) for reader in readers]
     await settle()
     assert service.events_per_write() == 2 and {r.stream_interval for r in engine.requests} == {None}
     engine.auto = True
     engine.step(8)
-    await asyncio.gather(*streams)
+    await asyncio.gather(*(drain(reader.events()) for reader in readers))
+    assert service.events_per_write() == 1
     assert not make_service()[0].pairs_writes  # unset: neither
 
 
