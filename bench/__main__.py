@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.timelines import main as timelines_main
 
         return timelines_main(argv[1:])
+    if argv[:1] == ["stepped"]:  # the serving layer's own CPU per token (bench/stepped.py)
+        from bench.stepped import main as stepped_main
+
+        return stepped_main(argv[1:])
     if argv[:1] == ["merge"]:  # python -m bench merge OUT_DIR A/bench.json B/bench.json ...
         return run_merge(argv[1:])
     if argv[:1] == ["startup"]:

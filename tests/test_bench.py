@@ -463,3 +463,32 @@ def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -
     # (each plus the moment its coroutine took to send it: the requests are timed from when due)
     assert level["ttft_first_wave_s"]["p50"] == pytest.approx(0.001, abs=0.003)
     assert level["ttft_later_s"]["p50"] == pytest.approx(0.009, abs=0.003)
+
+
+def test_stepped_engine_hands_out_tokens_as_vllms_stream_interval_does() -> None:
+    from bench.stepped import SteppedEngine
+    from shared.engine import SamplingRequest
+
+    async def counts(interval: int | None) -> list[int]:
+        engine = SteppedEngine(step_s=0.001)
+        request = SamplingRequest(prompt_token_ids=[20], max_tokens=6, stream_interval=interval)
+        return [delta.token_count async for delta in engine.generate("r", request)]
+
+    assert asyncio.run(counts(None)) == [1] * 6
+    assert asyncio.run(counts(2)) == [1, 2, 2, 1]  # the first and the last at once
+
+
+def test_stepped_benchmark_measures_the_serving_layers_cpu_per_token_both_ways(tmp_path: Path) -> None:
+    args = ["stepped", "--streams", "4", "--output-tokens", "6", "--runs", "1", "--clients", "1"]
+    assert bench_main([*args, "--env", "BUNDLE_STREAM_BATCH_AT=2", "--out", str(tmp_path)]) == 0
+    report = orjson.loads((tmp_path / "stepped.json").read_bytes())
+    assert list(report["runs"]) == ["baseline", "BUNDLE_STREAM_BATCH_AT=2"]
+    for [run] in report["runs"].values():
+        assert run["errors"] == 0 and 0 < run["cpu_ms_per_token"] < 1000
+    assert "| BUNDLE_STREAM_BATCH_AT=2 |" in (tmp_path / "stepped.md").read_text()
+    for bad in (["--env", "STREAM=1"], ["--env", "BUNDLE_X=1", "--runs", "0"]):
+        try:
+            code = bench_main([*args[:1], *bad, "--out", str(tmp_path)])
+        except SystemExit as exc:  # argparse refuses with exit code 2 itself
+            code = exc.code
+        assert code == 2
