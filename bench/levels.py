@@ -48,9 +48,13 @@ class Meters:
     # Server counters reported per output token (name -> value so far), e.g. the identity
     # store's round trips; divided by the tokens the clients counted, not the server's own.
     per_token: Callable[[], dict[str, float]] | None = None
+    # How many of the bundle's loop-lag samples so far ran later than STALL_S: a mean hides one
+    # long stall (a request burst missing an engine step), a count does not.
+    server_loop_stalls: Callable[[], int] | None = None
 
 
 NO_METERS = Meters()
+STALL_S = 0.05  # a bucket bound of bundle_event_loop_lag_seconds
 
 
 async def run_levels(
@@ -79,7 +83,10 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
     histograms = {name: getattr(meters, meter) for name, meter in MEAN_METERS.items()}
     before = {name: (read, read()) for name, read in histograms.items() if read is not None}
     counted_before = meters.per_token() if meters.per_token else {}
+    stalls_before = meters.server_loop_stalls() if meters.server_loop_stalls else 0
     result = await run(prompts, level)
+    if meters.server_loop_stalls is not None:
+        result["server_loop_stalls"] = meters.server_loop_stalls() - stalls_before
     if meters.per_token is not None:
         counted_after, tokens = meters.per_token(), result["output_tokens"]
         for name, value in counted_after.items():
@@ -117,7 +124,11 @@ MEAN_METERS = {
 # Each kept per run beside the median run as `runs_<name>` (the server's TTFT goes there as
 # what the client saw beyond it, `runs_ttft_added_by_server_s`).
 # The load generator's own loop lag (bench/loadgen.py) rides along the same way.
-OPTIONAL_MEANS = (*(name for name in MEAN_METERS if name != "server_ttft_mean_s"), "client_loop_lag_mean_s")
+OPTIONAL_MEANS = (
+    *(name for name in MEAN_METERS if name != "server_ttft_mean_s"),
+    "client_loop_lag_mean_s",
+    "server_loop_stalls",  # a count, not a mean, kept per run the same way
+)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -187,6 +198,8 @@ def _ttft_split(level: dict) -> str:
         for name, label in (("server_admission_mean_s", "admission"), ("server_loop_lag_mean_s", "loop lag"))
         if name in level
     ]
+    if "server_loop_stalls" in level:
+        extras.append(f"loop stalls over {STALL_S * 1000:.0f} ms {level['server_loop_stalls']}")
     return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + "".join(
         f", {extra}" for extra in extras
     )

@@ -202,6 +202,22 @@ def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
     return read
 
 
+def metrics_histogram_above(url: str, name: str, bound: float) -> Callable[[], int]:
+    """Reads how many observations of one of the bundle's histograms so far exceeded `bound`
+    (one of its bucket bounds) from its /metrics; 0 if it cannot."""
+    bucket = f'{name}_bucket{{le="{bound}"}}'
+
+    def read() -> int:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return 0
+        values = dict(line.rpartition(" ")[::2] for line in text.splitlines() if not line.startswith("#"))
+        return int(float(values.get(f"{name}_count", 0)) - float(values.get(bucket, 0)))
+
+    return read
+
+
 def metrics_histogram_counter(url: str, name: str) -> Callable[[], tuple[float, int]]:
     """Reads one of the bundle's histograms (sum, count) from its /metrics, e.g.
     `bundle_time_to_first_token_seconds`; (0, 0) if it cannot."""

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from bench import timelines
-from bench.levels import Meters
+from bench.levels import STALL_S, Meters
 from bench.loadgen import summarise
 from bench.plot import plot
 from bench.report import markdown_table
@@ -29,6 +29,7 @@ from bench.servers import (
     bundle_command,
     free_port,
     logged_batch_tokens,
+    metrics_histogram_above,
     metrics_histogram_counter,
     peak_rss_mib,
     process_cpu_s,
@@ -177,6 +178,9 @@ def run_server(
             server_loop_lag=histogram("bundle_event_loop_lag_seconds") if bundle else None,
             engine_output_wait=histogram("bundle_engine_output_wait_seconds") if bundle else None,
             engine_output_handling=histogram("bundle_engine_output_handling_seconds") if bundle else None,
+            server_loop_stalls=(
+                metrics_histogram_above(url, "bundle_event_loop_lag_seconds", STALL_S) if bundle else None
+            ),
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(

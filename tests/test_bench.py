@@ -164,6 +164,17 @@ def test_per_token_meter_divides_each_runs_own_counter_growth_by_its_tokens() ->
     assert level["store_round_trips_per_token"] == 0.5
 
 
+def test_loop_stall_meter_counts_each_runs_own_stalls() -> None:
+    readings = iter([0, 2, 2, 2])  # the counter before and after each of two runs
+
+    async def runner(prompts: list[list[int]], level: int) -> dict:
+        return {**_level(level), "output_tokens": 40, "errors": 0}
+
+    meters = Meters(server_loop_stalls=lambda: next(readings))
+    [level] = asyncio.run(run_levels(runner, Workload(), [1], rounds=1, repeat=2, meters=meters))
+    assert level["runs_server_loop_stalls"] == [2, 0]
+
+
 def test_failed_requests_are_counted_with_their_reason() -> None:
     samples = [Sample(ok=False, error="HTTP 503: b'x'")] * 2 + [Sample(ok=False), Sample(True, 0.1, 0.2, 3)]
     summary = summarise(1, samples, 1.0)
@@ -492,3 +503,27 @@ def test_stepped_benchmark_measures_the_serving_layers_cpu_per_token_both_ways(t
         except SystemExit as exc:  # argparse refuses with exit code 2 itself
             code = exc.code
         assert code == 2
+
+
+def test_loop_stalls_are_read_from_the_servers_loop_lag_buckets() -> None:
+    from bench.levels import STALL_S
+    from bench.servers import metrics_histogram_above
+
+    app = create_app(Settings(), engine=ScriptedEngine(auto=True))
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{server.config.port}"
+        stalls = metrics_histogram_above(url, "bundle_event_loop_lag_seconds", STALL_S)
+        before = stalls()
+        lag = app.state.service.metrics.event_loop_lag
+        lag.observe(0.3)  # one stall
+        lag.observe(0.01)  # and an ordinary late timer
+        assert stalls() - before == 1
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert metrics_histogram_above("http://127.0.0.1:9", "bundle_event_loop_lag_seconds", STALL_S)() == 0
