@@ -106,7 +106,22 @@ def steady_state(rows: list[list[float]], concurrency: int, output_tokens: int) 
         after_first = output_tokens - 1
         summary["per token after the first"] = statistics.fmean((r[2] - r[1]) / after_first for r in later)
     summary["sent after due (median)"] = statistics.median(_send_delays(later, ok))
+    gap = longest_first_token_gap(ok[:concurrency])
+    if gap is not None:
+        summary["first wave: longest gap between first tokens"] = gap
     return summary
+
+
+def longest_first_token_gap(first_wave: list[list[float]]) -> float | None:
+    """The longest time (ms) in which none of the opening burst got its first token, between its
+    first and its last one. The engine prefills a burst a step at a time, so this is about one
+    prefill step (~190-250 ms at 256 streams on the H200). On the H200 the first run after an
+    engine start mostly showed one step about twice as long, raw's as often as the bundle's,
+    and a run's TTFT p50 did not follow it."""
+    firsts = sorted(row[1] for row in first_wave if row[1] >= 0)
+    if len(firsts) < 2:
+        return None
+    return max(b - a for a, b in zip(firsts, firsts[1:], strict=False))
 
 
 def _send_delays(later: list[list[float]], ok: list[list[float]]) -> list[float]:

@@ -449,6 +449,7 @@ def test_timelines_show_the_later_requests_time_in_the_system(tmp_path: Path, ca
         "TTFT": 115.0,
         "per token after the first": 19.0,
         "sent after due (median)": 5.0,
+        "first wave: longest gap between first tokens": 20.0,  # 100 -> 120 ms
     }
     # Files from before the fourth column: the first is the send, the delay read off the ends.
     old_rows = [[0.0, 100.0, 300.0], [0.0, 120.0, 320.0], [305.0, 405.0, 605.0], [325.0, 445.0, 625.0]]
