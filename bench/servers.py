@@ -208,12 +208,8 @@ def metrics_histogram_above(url: str, name: str, bound: float) -> Callable[[], i
     bucket = f'{name}_bucket{{le="{bound}"}}'
 
     def read() -> int:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=10).text
-        except httpx.HTTPError:
-            return 0
-        values = dict(line.rpartition(" ")[::2] for line in text.splitlines() if not line.startswith("#"))
-        return int(float(values.get(f"{name}_count", 0)) - float(values.get(bucket, 0)))
+        values = _scraped(url)
+        return int(values.get(f"{name}_count", 0.0) - values.get(bucket, 0.0))
 
     return read
 
@@ -221,18 +217,24 @@ def metrics_histogram_above(url: str, name: str, bound: float) -> Callable[[], i
 def metrics_histogram_counter(url: str, name: str) -> Callable[[], tuple[float, int]]:
     """Reads one of the bundle's histograms (sum, count) from its /metrics, e.g.
     `bundle_time_to_first_token_seconds`; (0, 0) if it cannot."""
-    wanted = {f"{name}_sum": "sum", f"{name}_count": "count"}
 
     def read() -> tuple[float, int]:
-        try:
-            text = httpx.get(f"{url}/metrics", timeout=10).text
-        except httpx.HTTPError:
-            return 0.0, 0
-        values = {}
-        for line in text.splitlines():
-            metric, _, value = line.partition(" ")
-            if metric in wanted:
-                values[wanted[metric]] = float(value)
-        return values.get("sum", 0.0), int(values.get("count", 0))
+        values = _scraped(url)
+        return values.get(f"{name}_sum", 0.0), int(values.get(f"{name}_count", 0.0))
 
     return read
+
+
+def _scraped(url: str) -> dict[str, float]:
+    """Every sample of the server's /metrics by its name with labels; empty if it cannot."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        metric, _, value = line.rpartition(" ")  # label values may hold spaces; the value cannot
+        if metric and not line.startswith("#"):
+            with contextlib.suppress(ValueError):
+                values[metric] = float(value)
+    return values
