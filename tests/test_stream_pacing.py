@@ -69,9 +69,13 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
     }
     with httpx.Client(base_url=url, timeout=60) as client:
         whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        load = {**body, "max_tokens": 400, "stream": True}
+        # A load long enough to outlast the request below by far (~4 s of tokens at this model's
+        # pace on a quiet 2-core machine); ended by closing it.
+        load = {**body, "max_tokens": 1500, "stream": True}
         with client.stream("POST", "/v1/completions", json=load) as busy:
-            next(busy.iter_raw())  # its stream is being written: the next one is admitted under load
+            assert busy.status_code == 200, busy.read()
+            next(busy.iter_raw())  # its first token is out: it runs while the next one is admitted
+            assert service.registry.running == 1
             with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
                 assert reply.status_code == 200
                 received = reply.read()
