@@ -195,6 +195,8 @@ class VLLMEngine:
                     first = False
                 # One completion per output, even with n > 1 (vLLM streams each child's delta).
                 for completion in output.outputs:
+                    if completion.finish_reason == "abort":
+                        raise _aborted_by_vllm()
                     yield EngineDelta(
                         text=completion.text,
                         token_count=len(completion.token_ids),
@@ -203,6 +205,8 @@ class VLLMEngine:
                         token_ids=completion.token_ids,
                         logprobs=None if top is None else self._logprobs(completion, top),
                     )
+        except EngineUnavailable:
+            raise
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
         except ValueError as exc:  # vLLM's own validation, e.g. prompt + max_tokens too long
@@ -302,9 +306,17 @@ class Sleeper:
 
 
 def _finish_reason(completion: Any) -> str:
-    # vLLM says "length" or "stop"; an abort surfaces as "abort", which OpenAI clients don't know.
+    # vLLM says "length" or "stop" (an abort never gets here: see `_aborted_by_vllm`).
     reason = completion.finish_reason or "stop"
     return reason if reason in ("length", "stop") else "stop"
+
+
+def _aborted_by_vllm() -> EngineUnavailable:
+    # Our own aborts cancel the iteration and never see an output; an "abort" that arrives was
+    # vLLM's: its engine core ends every running request that way on SIGTERM (0.32+), and
+    # `AsyncLLM.abort` from elsewhere does the same. Reporting it as "stop" would pass a cut-off
+    # answer as complete (and store it for replay), so it is a failure the client retries.
+    return EngineUnavailable("the engine aborted this generation before it finished; retry it")
 
 
 # vLLM reports -inf for impossible tokens; JSON has no infinity, and OpenAI clients expect a number.

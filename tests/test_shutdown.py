@@ -18,7 +18,7 @@ from shared.api import create_app
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, free_port, long_chat
-from tests.real_server import RealStart, data_events
+from tests.real_server import RealStart, act_mid_stream, data_events
 
 GRACE_S = 1.0
 
@@ -85,3 +85,25 @@ def test_sigterm_to_the_whole_group_says_shutting_down_not_engine_died(real_star
     code = ended.exit_code
     assert code in (-signal.SIGTERM, 0) and code != ENGINE_DEAD_EXIT_CODE, ended.log.read_text()[-3000:]
     print(f"server exited {ended.seconds:.1f} s after SIGTERM to its group")
+
+
+def test_a_generation_vllm_aborts_on_its_own_ends_with_an_error_not_a_finish(
+    live: LiveServers, base_url: str, http: httpx.Client
+) -> None:
+    # vLLM's engine core ends every running request with finish reason "abort" on SIGTERM (0.32+),
+    # racing its own exit: the group-SIGTERM test above sees that output in some runs. The same
+    # output comes, on demand, from `AsyncLLM.abort` called by someone other than the bundle.
+    llm = live.engine.llm  # type: ignore[attr-defined]
+
+    async def abort_everything_running() -> None:
+        await llm.abort(list(llm.output_processor.external_req_ids))
+
+    body = long_chat(max_tokens=1000, stream_options={"include_usage": True})
+    rest, _ = act_mid_stream(http, body, lambda: live.call(abort_everything_running()))
+    assert rest[-1] == "[DONE]"
+    error = orjson.loads(rest[-2])["error"]
+    assert error["code"] == "engine_unavailable", error  # a retryable failure, not a cut-off answer
+    finishes = [c["finish_reason"] for d in rest[:-2] for c in orjson.loads(d).get("choices", ())]
+    assert not any(finishes), finishes
+    assert http.get("/health").status_code == 200  # the engine itself is fine
+    assert live.engine.running_requests() == 0
