@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.engine_outputs import time_engine_outputs
-from shared.errors import EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.errors import BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.presets import apply_preset
 from shared.settings import Settings
 from shared.structured import OutputConstraint
@@ -195,17 +195,15 @@ class VLLMEngine:
                     first = False
                 # One completion per output, even with n > 1 (vLLM streams each child's delta).
                 for completion in output.outputs:
-                    if completion.finish_reason == "abort":
-                        raise _aborted_by_vllm()
                     yield EngineDelta(
                         text=completion.text,
                         token_count=len(completion.token_ids),
-                        finish_reason=None if completion.finish_reason is None else _finish_reason(completion),
+                        finish_reason=_finish_reason(completion.finish_reason),
                         index=completion.index,
                         token_ids=completion.token_ids,
                         logprobs=None if top is None else self._logprobs(completion, top),
                     )
-        except EngineUnavailable:
+        except BundleError:  # ours, from `_finish_reason`
             raise
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
@@ -305,18 +303,21 @@ class Sleeper:
             ) from None
 
 
-def _finish_reason(completion: Any) -> str:
-    # vLLM says "length" or "stop" (an abort never gets here: see `_aborted_by_vllm`).
-    reason = completion.finish_reason or "stop"
-    return reason if reason in ("length", "stop") else "stop"
+def _finish_reason(vllm_reason: str | None) -> str | None:
+    """vLLM's finish reason -> OpenAI's, or the failure it really is.
 
-
-def _aborted_by_vllm() -> EngineUnavailable:
-    # Our own aborts cancel the iteration and never see an output; an "abort" that arrives was
-    # vLLM's: its engine core ends every running request that way on SIGTERM (0.32+), and
-    # `AsyncLLM.abort` from elsewhere does the same. Reporting it as "stop" would pass a cut-off
-    # answer as complete (and store it for replay), so it is a failure the client retries.
-    return EngineUnavailable("the engine aborted this generation before it finished; retry it")
+    Our own aborts cancel the iteration and never see an output, so an "abort" that arrives was
+    vLLM's: its engine core ends every running request that way on SIGTERM (0.32+), and so does
+    `AsyncLLM.abort` called from elsewhere. "error" is vLLM's retryable request-level failure
+    (a KV-cache load that failed, say), which its own server answers with a 500. Reporting
+    either as "stop" would pass a cut-off answer as complete, and store it for replay."""
+    if vllm_reason == "abort":
+        raise EngineUnavailable("the engine aborted this generation before it finished; retry it")
+    if vllm_reason == "error":
+        raise GenerationFailed("the engine failed this generation (a request-level error); retry it")
+    if vllm_reason is None or vllm_reason == "length":
+        return vllm_reason
+    return "stop"  # "stop", or "repetition" (a detector this bundle never turns on)
 
 
 # vLLM reports -inf for impossible tokens; JSON has no infinity, and OpenAI clients expect a number.

@@ -13,7 +13,16 @@ from typing import Any
 import orjson
 import pytest
 
-from shared.errors import EventsGone, IdempotencyConflict, InvalidRequest, NotFound, Overloaded
+from shared.engine import _finish_reason
+from shared.errors import (
+    EngineUnavailable,
+    EventsGone,
+    GenerationFailed,
+    IdempotencyConflict,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+)
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.replay import ReplayBuffer
 from shared.service import Service, Subscription
@@ -506,3 +515,14 @@ def test_engine_output_timings_wait_and_handling() -> None:
     assert (timings.handling.count, timings.handling.seconds) == (1, 0.75)
     untouched = time_engine_outputs(object())  # an engine client without the hook is left alone
     assert untouched.wait.count == untouched.handling.count == 0
+
+
+def test_vllm_finish_reasons_that_are_failures_are_never_reported_as_a_finish() -> None:
+    # "abort" is also made by the real engine in tests/test_shutdown.py; vLLM's "error" (a KV-cache
+    # load failure, say) cannot be produced on demand by the CPU engine, hence this unit test.
+    reasons = (None, "length", "stop", "repetition")
+    assert [_finish_reason(r) for r in reasons] == [None, "length", "stop", "stop"]
+    with pytest.raises(EngineUnavailable, match="aborted"):
+        _finish_reason("abort")
+    with pytest.raises(GenerationFailed, match="retry"):
+        _finish_reason("error")
