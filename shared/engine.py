@@ -120,6 +120,12 @@ class Engine(Protocol):
         """A fresh parser of one choice's output into tool calls (`tool_choice` "auto")."""
         ...
 
+    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
+        """Raise InvalidRequest (about `param`) unless the engine can enforce this output format.
+        Asked at admission for constrained requests only: a valid schema that the engine's grammar
+        backend cannot compile is the client's 400, before any 200 and never a 500."""
+        ...
+
     def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         """Yield deltas until finished. Cancelling the iteration aborts the engine request."""
         ...
@@ -181,6 +187,24 @@ class VLLMEngine:
             ids = ids["input_ids"]
         return list(ids)
 
+    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, structured_outputs=_structured_outputs(constraint))
+        verify = getattr(params, "verify", None)
+        if verify is None:  # 0.26 (the H200 build) checks in its input processor only
+            return
+        config = self._llm.vllm_config
+        try:  # the same check vLLM's input processor makes when the request arrives
+            verify(
+                self._llm.model_config,
+                config.speculative_config,
+                config.structured_outputs_config,
+                self._tokenizer,
+            )
+        except _vllm_client_errors() as exc:
+            raise InvalidRequest(f"{param}: this engine cannot enforce it: {exc}", param=param) from exc
+
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -207,7 +231,7 @@ class VLLMEngine:
             raise
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
-        except ValueError as exc:  # vLLM's own validation, e.g. prompt + max_tokens too long
+        except (ValueError, *_vllm_client_errors()) as exc:  # vLLM's own validation of the request
             raise InvalidRequest(str(exc)) from exc
         except Exception as exc:
             if self._llm.errored:
@@ -368,6 +392,16 @@ def _sampling_params(request: SamplingRequest) -> Any:
         output_kind=RequestOutputKind.DELTA,
         **({"stream_interval": request.stream_interval} if request.stream_interval is not None else {}),
     )
+
+
+def _vllm_client_errors() -> tuple[type[Exception], ...]:
+    """vLLM's "the request is wrong" exceptions: 0.32 raises `VLLMValidationError`, which is no
+    longer a ValueError; older releases raise ValueError and have no such module."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ()
+    return (VLLMClientError,)
 
 
 def takes_request_stream_interval() -> bool:

@@ -401,7 +401,7 @@ class Service:
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias,
-            constraint=_constraint(body),
+            constraint=_constraint(body, self.engine),
             stream_interval=self._paced_interval(),
         )
 
@@ -419,15 +419,21 @@ class Service:
         )
 
 
-def _constraint(body: OpenAIRequest) -> OutputConstraint | None:
-    """What the output is constrained to: a forced tool call's JSON, or response_format's."""
+def _constraint(body: OpenAIRequest, engine: Engine) -> OutputConstraint | None:
+    """What the output is constrained to (a forced tool call's JSON, or response_format's), once
+    the engine has said it can enforce it."""
     if not isinstance(body, ChatCompletionRequest):
         return None
     if body.uses_tools:
         check_tool_schemas(body.tools or [])
         if body.forced_tool_call:
-            return forced_constraint(body.tools or [], body.tool_choice, body.parallel_tool_calls)
-    return response_constraint(body.response_format)
+            constraint = forced_constraint(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+            engine.check_constraint(constraint, "tools")
+            return constraint
+    constraint = response_constraint(body.response_format)
+    if constraint is not None:
+        engine.check_constraint(constraint, "response_format")
+    return constraint
 
 
 def _shared_identity(settings: Settings, registry: Registry, metrics: Metrics) -> Replicas | None:

@@ -372,6 +372,10 @@ def one_tool(parameters: Any) -> dict[str, Any]:
     return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
 
 
+# Valid JSON Schema that vLLM's xgrammar backend (the one compact JSON names) refuses to compile:
+# vLLM itself refuses it when the request reaches the engine, which must not be a 500.
+UNIQUE_ITEMS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+
 BAD_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("max_tokens as a numeric string", {"max_tokens": "10"}),
     ("max_tokens as a bool", {"max_tokens": True}),
@@ -403,6 +407,8 @@ BAD_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("duplicate tool names", {"tools": [TOOLS[0], TOOLS[0]]}),
     ("invalid tool parameters schema", one_tool({"type": "nope"})),
     ("invalid response_format schema", schema_format({"type": 5})),
+    ("schema the grammar backend cannot compile", schema_format(UNIQUE_ITEMS)),
+    ("forced call the grammar backend cannot compile", {**one_tool(UNIQUE_ITEMS), "tool_choice": "required"}),
     ("json_schema type without a schema", {"response_format": {"type": "json_schema"}}),
     ("unknown response_format type", {"response_format": {"type": "yaml"}}),
     ("forced call and json mode", {"tools": TOOLS, "tool_choice": "required", "response_format": JSON_MODE}),
