@@ -102,9 +102,12 @@ class Subscription:
             self._registry.detach(self._entry)
 
     def abandon(self) -> None:
-        """The reader stops early and nobody will come back for this one: abort, then close."""
-        self._registry.abort(self._entry, "cancelled")
+        """The reader stops early and will not come back: close, and abort the generation unless
+        another reader still follows it (two Cog predictions with one request_id share it)."""
+        last_reader = not self._closed and self._entry.subscribers == 1
         self.close()
+        if last_reader:
+            self._registry.abort(self._entry, "cancelled")
 
 
 class Registry:

@@ -645,3 +645,62 @@ def _is_engine_core(pid: int, group: int) -> bool:
     except (OSError, ProcessLookupError):
         return False
     return "EngineCore" in name or "EngineCore" in cmdline
+
+
+@pytest.mark.timeout(20)
+def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_running() -> None:
+    """Two predictions that share a `request_id` read one generation; a cancel of one is that
+    reader leaving (as on the HTTP path), not an abort of the generation the other still reads.
+    The last reader's cancel does abort it."""
+    engine = ScriptedEngine()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
+
+    async def start_two() -> tuple[Any, Any]:
+        service = Service(Settings(), engine)
+        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
+        first = await bridge.start_chat(service, body, "shared-id")
+        second = await bridge.start_chat(service, body, "shared-id")
+        while not engine.running:
+            await asyncio.sleep(0)
+        return first, second
+
+    async def release(tokens: int) -> None:
+        engine.step(tokens)
+        await settle(20)
+
+    try:
+        first, second = on_loop(start_two())
+        signals = bridge.CancelSignal(), bridge.CancelSignal()
+        kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
+        cancelled = bridge.stream_text(second, loop, RuntimeError, signals[1])
+        on_loop(release(1))
+        assert next(kept) == next(cancelled) == "t0 "
+        signals[1].fire()
+        cancelled.close()
+        on_loop(release(3))
+        assert "".join(kept) == "t1 t2 t3 "  # the whole answer, not "canceled"
+        assert engine.aborted == [] and len(engine.started) == 1
+
+        async def start_one() -> Any:
+            service = Service(Settings(), engine)
+            body = bridge.chat_request_from_inputs(service.settings, prompt="a b", max_tokens=4)
+            return await bridge.start_chat(service, body, "alone")
+
+        alone, signal = on_loop(start_one()), bridge.CancelSignal()
+        pieces = bridge.stream_text(alone, loop, RuntimeError, signal)
+        on_loop(release(1))
+        assert next(pieces) == "t0 "
+        signal.fire()
+        on_loop(settle(20))
+        assert engine.aborted == [engine.started[-1]]  # its only reader left: aborted at once
+        pieces.close()
+        on_loop(settle())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
