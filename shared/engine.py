@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.engine_outputs import time_engine_outputs
-from shared.errors import BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.presets import apply_preset
 from shared.settings import Settings
 from shared.structured import OutputConstraint
@@ -336,9 +336,9 @@ def _finish_reason(vllm_reason: str | None) -> str | None:
     (a KV-cache load that failed, say), which its own server answers with a 500. Reporting
     either as "stop" would pass a cut-off answer as complete, and store it for replay."""
     if vllm_reason == "abort":
-        raise EngineUnavailable("the engine aborted this generation before it finished; retry it")
+        raise EngineUnavailable(f"the engine aborted this generation before it finished; {RUN_AGAIN_ADVICE}")
     if vllm_reason == "error":
-        raise GenerationFailed("the engine failed this generation (a request-level error); retry it")
+        raise GenerationFailed(f"the engine failed this generation (a request-level error); {RUN_AGAIN_ADVICE}")
     if vllm_reason is None or vllm_reason == "length":
         return vllm_reason
     return "stop"  # "stop", or "repetition" (a detector this bundle never turns on)

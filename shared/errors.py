@@ -155,13 +155,21 @@ class ShuttingDown(BundleError):
     code = "server_shutting_down"
 
 
+# Refused at admission: nothing ran, so the id is free and a retry under it is safe.
 SHUTDOWN_MESSAGE = (
-    "the server is shutting down; retry with the same X-Request-Id (and Last-Event-ID to resume a stream)"
+    "the server is shutting down and did not start this request; retry with the same X-Request-Id"
 )
+# A generation under an id ends once: a request under that id replays its outcome, a failure too,
+# for as long as it is held (BUNDLE_RETENTION_S; with a shared store, on every replica). So a
+# generation that failed part-way is run again under a new id, never resumed.
+RUN_AGAIN_ADVICE = (
+    "send the request again, under a new X-Request-Id if it had one (that id replays this failure)"
+)
+SHUT_DOWN_MID_GENERATION = f"the server shut down before this generation finished; {RUN_AGAIN_ADVICE}"
 
 
 def abort_error(reason: str) -> BundleError:
     """The error a generation aborted for `reason` ends with (the registry names the reasons)."""
     if reason == "shutdown":
-        return ShuttingDown(SHUTDOWN_MESSAGE)
+        return ShuttingDown(SHUT_DOWN_MID_GENERATION)
     return Cancelled(f"generation aborted: {reason}")

@@ -5,7 +5,8 @@
   process is asked to exit with `ENGINE_DEAD_EXIT_CODE`, so a supervisor (Modal, Cog, systemd,
   Kubernetes) replaces it instead of keeping a process that can only refuse.
 - Shutdown: after SIGTERM the running streams get `shutdown_grace_s` to finish, then end with a
-  `ShuttingDown` error event ("retry with the same X-Request-Id"), distinct from engine death.
+  `ShuttingDown` error event (send it again under a new X-Request-Id: the old one replays this
+  end), distinct from engine death. New requests get 503 (retry with the same id: nothing ran).
   When the whole process group is signalled, vLLM's engine core stops at the same moment; the
   engine's failure then is part of the shutdown, and clients are told so, not that it "died".
 """
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from shared.engine import Engine, EngineDelta, SamplingRequest
-from shared.errors import SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
+from shared.errors import SHUT_DOWN_MID_GENERATION, SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
 
 if TYPE_CHECKING:
     from shared.service import Service
@@ -130,7 +131,7 @@ class GuardedEngine:
         except EngineUnavailable as exc:
             await asyncio.sleep(SIGNAL_SETTLE_S)
             if self._lifecycle.state == Lifecycle.DRAINING:
-                raise ShuttingDown(SHUTDOWN_MESSAGE) from exc
+                raise ShuttingDown(SHUT_DOWN_MID_GENERATION) from exc
             raise
 
     def healthy(self) -> bool:

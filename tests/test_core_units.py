@@ -524,5 +524,5 @@ def test_vllm_finish_reasons_that_are_failures_are_never_reported_as_a_finish() 
     assert [_finish_reason(r) for r in reasons] == [None, "length", "stop", "stop"]
     with pytest.raises(EngineUnavailable, match="aborted"):
         _finish_reason("abort")
-    with pytest.raises(GenerationFailed, match="retry"):
+    with pytest.raises(GenerationFailed, match="new X-Request-Id"):
         _finish_reason("error")

@@ -99,11 +99,19 @@ def test_a_generation_vllm_aborts_on_its_own_ends_with_an_error_not_a_finish(
         await llm.abort(list(llm.output_processor.external_req_ids))
 
     body = long_chat(max_tokens=1000, stream_options={"include_usage": True})
-    rest, _ = act_mid_stream(http, body, lambda: live.call(abort_everything_running()))
+    named = {"X-Request-Id": "cut-off-by-vllm"}
+    rest, _ = act_mid_stream(http, body, lambda: live.call(abort_everything_running()), named)
     assert rest[-1] == "[DONE]"
     error = orjson.loads(rest[-2])["error"]
-    assert error["code"] == "engine_unavailable", error  # a retryable failure, not a cut-off answer
+    assert error["code"] == "engine_unavailable", error  # a failure, not a cut-off answer
     finishes = [c["finish_reason"] for d in rest[:-2] for c in orjson.loads(d).get("choices", ())]
     assert not any(finishes), finishes
     assert http.get("/health").status_code == 200  # the engine itself is fine
     assert live.engine.running_requests() == 0
+    # What the error's advice says: the same id replays this end, a new id runs the request.
+    assert "new X-Request-Id" in error["message"]
+    replayed = data_events(http.post("/v1/chat/completions", json=body, headers=named).iter_lines())
+    assert orjson.loads(replayed[-2])["error"] == error
+    fresh = {"X-Request-Id": "cut-off-by-vllm-again"}
+    again = http.post("/v1/chat/completions", json={**body, "max_tokens": 4, "stream": False}, headers=fresh)
+    assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
