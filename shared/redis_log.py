@@ -28,6 +28,7 @@ from shared.store import (
     CHECK_EVERY_S,
     DATA,
     PRODUCER_LOST_BOUND_S,
+    RECONNECT_S,
     RUNNING,
     AppendBatch,
     Claim,
@@ -76,9 +77,15 @@ class StreamWriter:
         self._finals.append((request_id, claim, body))
         self._kick()
 
-    async def drain(self) -> None:
-        while self._flusher is not None and not self._flusher.done():
-            await asyncio.wait({self._flusher})
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until everything queued is written; with `timeout_s`, give up after it (the ends
+        of a store that stays down are lost, and readers elsewhere find the claim gone later)."""
+        if self._flusher is None or self._flusher.done():
+            return
+        flushed = await asyncio.wait({self._flusher}, timeout=timeout_s)
+        if not flushed[0]:
+            self._flusher.cancel()
+            log.error("store unavailable: %d ends of shared streams were not written", len(self._finals))
 
     def _kick(self) -> None:
         if self._flusher is None or self._flusher.done():
@@ -97,10 +104,14 @@ class StreamWriter:
                 await self._store.append(self._batch(events, finals))
             except StoreUnavailable:
                 # Counted in /metrics; logged once per outage. Followers see the gap in sequence
-                # numbers and say so; the owner's own readers are unaffected.
+                # numbers and say so; the owner's own readers are unaffected. The ends are kept
+                # and written once the store answers: without its end a stream's claim would say
+                # "running" until it expires, and readers elsewhere would wait that long.
                 if not self._failing:
                     log.warning("store unavailable: events of shared streams are being dropped")
                 self._failing = True
+                self._finals[:0] = finals
+                await asyncio.sleep(RECONNECT_S)
             else:
                 self._failing = False
 
@@ -255,6 +266,11 @@ class RemoteSubscription:
                     f"the replica running X-Request-Id {self._request_id!r} stopped (no heartbeat "
                     f"for {PRODUCER_LOST_BOUND_S:g} s); start again with a new X-Request-Id"
                 )
+            if check and step.state is None:
+                # The claim is gone: it expired (past the longest generation plus the retention:
+                # its end was never stored) or was released (refused after the claim). No more
+                # events can come for it.
+                raise EventsGone(f"events after {after} of this request are no longer held")
 
     def text(self) -> AsyncIterator[str]:
         raise NotImplementedError("plain-text following is for the Cog runner, which runs one replica")

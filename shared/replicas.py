@@ -36,6 +36,9 @@ from shared.store import Claim, IdentityStore, StreamView
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # how often a cancel sent to another replica looks for the generation's end
+# How long leaving waits for the last events and ends to be written: a store that is down keeps
+# them queued (retried), and shutdown must not wait on it for ever.
+STORE_DRAIN_BOUND_S = 5.0
 Opened = Subscription | RemoteSubscription
 
 
@@ -195,7 +198,7 @@ class Replicas:
 
     async def aclose(self) -> None:
         """After the registry's shutdown: send the last events and ends, then leave."""
-        await self.writer.drain()
+        await self.writer.drain(timeout_s=STORE_DRAIN_BOUND_S)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.aclose()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -146,6 +147,37 @@ async def test_a_follower_of_an_owner_without_heartbeat_hears_producer_lost(redi
     assert b'"code":"producer_lost"' in raw and raw.endswith(b"data: [DONE]\n\n")
     assert time.monotonic() - started < PRODUCER_LOST_BOUND_S
     await store.aclose()
+
+
+async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is_back(
+    redis_server: RedisServer,
+) -> None:
+    """Events flushed while the store is down are dropped (followers see the gap), but the end is
+    kept and retried: without it the claim says "running" for its whole TTL."""
+    owner = await live_store(redis_server, "owner-outage")
+    writer = StreamWriter(owner, max_events=100, retention_s=60, running_ttl_s=60)
+    claim = Claim("fp", "owner-outage", True)
+    redis_server.stop()
+    try:
+        writer.append("ends-in-outage", 1, DONE_DATA)
+        writer.finish("ends-in-outage", Claim("fp", "owner-outage", True, state="completed"), None)
+        await asyncio.sleep(0.3)  # the first flush failed meanwhile
+        assert owner.metrics.store_errors.labels("write")._value.get() >= 1
+    finally:
+        redis_server.start()
+    await writer.drain(timeout_s=20)
+    assert await owner.get("ends-in-outage") == replace(claim, state="completed")
+    await owner.aclose()
+
+
+async def test_a_follower_whose_claim_is_gone_ends_with_a_clear_error(redis_server: RedisServer) -> None:
+    """The owner is alive but the claim is gone (expired without its end, or released after a
+    refusal): nothing more can come, so the follower says so instead of waiting."""
+    owner = await live_store(redis_server, "owner-alive")
+    remote = RemoteSubscription(owner, "claim-gone", Claim("fp", "owner-alive", True), 0, owner.metrics)
+    raw = await asyncio.wait_for(drain(remote.events()), timeout=10)
+    assert b'"code":"events_gone"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    await owner.aclose()
 
 
 # --- two Services sharing the store -------------------------------------------------------------------
