@@ -204,6 +204,8 @@ class VLLMEngine:
             )
         except _vllm_client_errors() as exc:
             raise InvalidRequest(f"{param}: this engine cannot enforce it: {exc}", param=param) from exc
+        except TypeError:  # a vLLM whose `verify` takes other arguments (0.32 and 0.33 match):
+            log.debug("SamplingParams.verify differs here; the engine checks the constraint itself")
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         from vllm.v1.engine.exceptions import EngineDeadError
