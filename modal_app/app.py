@@ -51,6 +51,7 @@ import modal
 from modal_app.settings import ModalSettings
 from shared.caches import compile_cache_env
 from shared.lifecycle import EngineLifecycle  # light: vLLM is imported only when an engine starts
+from shared.presets import apply_preset
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -72,9 +73,9 @@ SETTINGS = Settings().with_default_model(MODEL, MODEL_REVISION).with_default_pre
 MODAL = ModalSettings()
 
 # One container accepts up to max_inputs streams and the autoscaler aims for target_inputs
-# each; both default from the engine's max_num_seqs (the reasoning is in
+# each; both default from the engine's max_num_seqs as its preset leaves it (the reasoning is in
 # `ModalSettings.concurrency`). Continuous batching only pays when streams share the GPU.
-MAX_INPUTS, TARGET_INPUTS = MODAL.concurrency(SETTINGS.max_num_seqs)
+MAX_INPUTS, TARGET_INPUTS = MODAL.concurrency(apply_preset(SETTINGS).max_num_seqs, SETTINGS.max_in_flight)
 
 # --- The image ---------------------------------------------------------------------------------
 # The GPU build of vLLM and the core's dependencies, pinned in one file that cog.yaml installs

@@ -35,16 +35,23 @@ class ModalSettings(BaseSettings):
         "snapshot, wake it after each restore.",
     )
 
-    def concurrency(self, max_num_seqs: int) -> tuple[int, int]:
+    def concurrency(self, max_num_seqs: int, max_in_flight: int) -> tuple[int, int]:
         """`(max_inputs, target_inputs)` for `@modal.concurrent`.
 
-        max_inputs defaults to the engine's `max_num_seqs`: the engine batches at most that many
-        sequences per step, so a container that accepted more would only queue them inside vLLM
-        while another container could be serving them. target_inputs defaults to half of that:
-        Modal's autoscaler starts a new container once the average passes the target, so the
-        running one keeps headroom for the burst that arrives during the new one's cold start.
+        max_inputs defaults to the engine's `max_num_seqs` (after its preset): the engine batches
+        at most that many sequences per step, so a container that accepted more would only queue
+        them inside vLLM while another container could be serving them. Never above the core's
+        admission cap `max_in_flight`, which would answer 429 to inputs Modal routed to it.
+        target_inputs defaults to half of that: Modal's autoscaler starts a new container once
+        the average passes the target, so the running one keeps headroom for the burst that
+        arrives during the new one's cold start.
         """
-        max_inputs = self.max_inputs or max_num_seqs
+        if self.max_inputs is not None and self.max_inputs > max_in_flight:
+            raise ValueError(
+                f"BUNDLE_MODAL_MAX_INPUTS ({self.max_inputs}) exceeds BUNDLE_MAX_IN_FLIGHT "
+                f"({max_in_flight}): the container would refuse what Modal sends it"
+            )
+        max_inputs = self.max_inputs or min(max_num_seqs, max_in_flight)
         target = self.target_inputs or max(1, max_inputs // 2)
         if target > max_inputs:
             raise ValueError(f"BUNDLE_MODAL_TARGET_INPUTS ({target}) exceeds max inputs ({max_inputs})")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from shared.engine import Engine, SamplingRequest, open_engine
 from shared.errors import EngineUnavailable
+from shared.presets import apply_preset
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ async def warm_up(engine: Engine, settings: Settings) -> None:
     context = engine.info.max_model_len
     await _complete(engine, prompts.ids(16), max_tokens=16)
     await _complete(engine, prompts.ids(max(1, min(context // 2, 2048))), max_tokens=1)
-    wave = [_complete(engine, prompts.ids(16), max_tokens=8) for _ in range(settings.max_num_seqs)]
+    batch = apply_preset(settings).max_num_seqs  # what the engine runs with, its preset included
+    wave = [_complete(engine, prompts.ids(16), max_tokens=8) for _ in range(batch)]
     await asyncio.gather(*wave)
     log.info("warm-up done in %.2f s (%d-stream wave)", time.perf_counter() - started, len(wave))
 

@@ -79,7 +79,7 @@ def test_decorators_follow_the_settings(monkeypatch: pytest.MonkeyPatch) -> None
     assert info.gpus == [(settings.gpu, 1)] == [("L40S", 1)]
     assert info.timeout == settings.timeout_s == 900
     assert info.startup_timeout == settings.startup_timeout_s == 600
-    max_inputs, target_inputs = settings.concurrency(Settings().max_num_seqs)
+    max_inputs, target_inputs = settings.concurrency(Settings().max_num_seqs, Settings().max_in_flight)
     assert (
         (info.concurrency_info.max_inputs, info.concurrency_info.target_inputs)
         == (
@@ -103,12 +103,26 @@ def test_concurrency_overrides_and_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     module = load_modal_app(monkeypatch, BUNDLE_MODAL_MAX_INPUTS="100", BUNDLE_MODAL_TARGET_INPUTS="80")
     concurrency = module.Server._get_class_service_function().info().concurrency_info
     assert (concurrency.max_inputs, concurrency.target_inputs) == (100, 80)
-    assert ModalSettings().concurrency(256) == (100, 80)
+    assert ModalSettings().concurrency(256, 512) == (100, 80)
     unset = ModalSettings(max_inputs=None, target_inputs=None)
-    assert unset.concurrency(max_num_seqs=1) == (1, 1)
-    assert unset.concurrency(max_num_seqs=7) == (7, 3)
+    assert unset.concurrency(max_num_seqs=1, max_in_flight=512) == (1, 1)
+    assert unset.concurrency(max_num_seqs=7, max_in_flight=512) == (7, 3)
+    # Never more inputs than the core admits: the rest would be 429s Modal routed here.
+    assert unset.concurrency(max_num_seqs=1024, max_in_flight=512) == (512, 256)
     with pytest.raises(ValueError, match="TARGET_INPUTS"):
-        ModalSettings(max_inputs=4, target_inputs=5).concurrency(256)
+        ModalSettings(max_inputs=4, target_inputs=5).concurrency(256, 512)
+    with pytest.raises(ValueError, match="MAX_IN_FLIGHT"):
+        ModalSettings(max_inputs=600, target_inputs=None).concurrency(256, 512)
+
+
+def test_the_preset_sets_the_containers_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The latency preset runs 64 sequences; a container taking 256 would queue 192 inside vLLM.
+    module = load_modal_app(monkeypatch, BUNDLE_PRESET="latency")
+    concurrency = module.Server._get_class_service_function().info().concurrency_info
+    assert (concurrency.max_inputs, concurrency.target_inputs) == (64, 32)
+    explicit = load_modal_app(monkeypatch, BUNDLE_PRESET="latency", BUNDLE_MAX_NUM_SEQS="96")
+    concurrency = explicit.Server._get_class_service_function().info().concurrency_info
+    assert (concurrency.max_inputs, concurrency.target_inputs) == (96, 48)  # the user's setting wins
 
 
 def test_the_container_rebuilds_the_deploy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
