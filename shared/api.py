@@ -263,11 +263,14 @@ class EventStreamResponse(StreamingResponse):
         body_send: Send = scope.get(SERVER_SEND_KEY, send)
         streamer = asyncio.create_task(self._stream_quietly(send, body_send))
         listener = asyncio.create_task(self.listen_for_disconnect(receive))
-        done, _ = await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (streamer, listener):
-            if task not in done:
+        try:
+            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when this task is cancelled (a host cancelling the request mid-write): the
+            # streamer's own clean-up closes the subscription, so nothing is left running.
+            for task in (streamer, listener):
                 task.cancel()
-        await asyncio.gather(streamer, listener, return_exceptions=True)
+            await asyncio.gather(streamer, listener, return_exceptions=True)
 
     async def _stream_quietly(self, send: Send, body_send: Send) -> None:
         try:

@@ -14,6 +14,7 @@ follow, and a `close` that detaches (the last reader leaving starts the grace wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections import OrderedDict
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded
+from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded, abort_error
 from shared.generation import GenerationOutput
 from shared.metrics import Metrics
 from shared.replay import EventsPerWrite
@@ -152,16 +153,34 @@ class Registry:
             self._held[entry.request_id] = entry
         self._running.add(entry)
         entry.task = start_eagerly(self._drive(entry, producer))
+        entry.task.add_done_callback(functools.partial(self._ended_unstarted, entry))
 
     async def _drive(self, entry: Entry, producer: Producer) -> None:
         try:
             await producer(entry.output, lambda: entry.abort_reason)
         finally:
-            self._running.discard(entry)
-            self._cancel_grace(entry)
-            if entry.request_id is not None:
-                self._finished[entry.request_id] = entry
-            self._evict()
+            self._ended(entry)
+
+    def _ended_unstarted(self, entry: Entry, _: asyncio.Task[None]) -> None:
+        """Before Python 3.12 a task starts on the next loop turn, so an abort in between cancels
+        a coroutine that never ran: `_drive`'s clean-up did not run either (had it, the entry
+        would have left `_running`). Its readers get their end here, and its slot is freed."""
+        if entry not in self._running:
+            return
+        self._metrics.aborted_requests.labels(entry.abort_reason).inc()
+        error = abort_error(entry.abort_reason)
+        if entry.output.accepted:
+            entry.output.finish(error)
+        else:
+            entry.output.reject(error)
+        self._ended(entry)
+
+    def _ended(self, entry: Entry) -> None:
+        self._running.discard(entry)
+        self._cancel_grace(entry)
+        if entry.request_id is not None:
+            self._finished[entry.request_id] = entry
+        self._evict()
 
     def subscribe(self, entry: Entry, after: int = 0) -> Subscription:
         entry.subscribers += 1

@@ -158,6 +158,21 @@ async def test_cancel_ends_attached_streams_and_says_what_happened() -> None:
     assert (await service.cancel("finished")).status == "completed"
 
 
+async def test_a_cancel_before_the_generation_first_ran_ends_it_and_frees_its_slot() -> None:
+    # On Python 3.11 (no eager task start) the generation's task has not run yet when the open
+    # returns; a cancel in the same loop turn cancels a coroutine that never started. Its readers
+    # must still get their end and its slot must be freed (3.12 starts it eagerly: same outcome).
+    service, _ = make_service(max_in_flight=1)
+    reader = service.open("chat", chat(), "early")
+    outcome = await service.cancel("early")
+    assert outcome.status == "cancelled"
+    raw = await asyncio.wait_for(drain(reader.events()), timeout=5)
+    assert b'"code":"request_cancelled"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert service.stats()["running_generations"] == 0
+    again = service.open("chat", chat(), "after")  # the one slot is free again
+    again.close()
+
+
 async def test_admission_beyond_the_in_flight_cap_is_429_and_starts_nothing() -> None:
     service, engine = make_service(max_in_flight=2)
     held = [service.open("chat", chat()) for _ in range(2)]
@@ -526,3 +541,41 @@ def test_vllm_finish_reasons_that_are_failures_are_never_reported_as_a_finish() 
         _finish_reason("abort")
     with pytest.raises(GenerationFailed, match="new X-Request-Id"):
         _finish_reason("error")
+
+
+async def test_a_stream_whose_request_task_is_cancelled_closes_its_body_and_tasks() -> None:
+    # A host may cancel the request's task mid-stream (Modal's ASGI wrapper, when it cancels an
+    # input) while a write is stuck in a queue nobody reads: the body (the subscription) must be
+    # closed and no task left behind, or the generation and its reader count leak.
+    from shared.api import EventStreamResponse
+
+    closed = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"data: {}\n\n"
+                await asyncio.sleep(0)
+        finally:
+            closed.set()
+
+    stuck = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            stuck.set()
+            await asyncio.Event().wait()  # a write nobody will ever take
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    before = asyncio.all_tasks()
+    response = EventStreamResponse(body())
+    serving = asyncio.create_task(response({"type": "http"}, receive, send))
+    await asyncio.wait_for(stuck.wait(), 5)
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving
+    await asyncio.wait_for(closed.wait(), 5)
+    assert asyncio.all_tasks() - before == {asyncio.current_task()} - before
