@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from shared.engine import Engine, open_engine
 from shared.errors import (
     BundleError,
+    Cancelled,
     EngineUnavailable,
     InvalidRequest,
     NotFound,
@@ -333,7 +334,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = {}
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(exc.retry_after_s)
-        if exc.status_code < 500 and exc.status_code != 429:
+        # 429s are counted where they are raised; a cancelled generation (499) had reached the
+        # engine and is counted as aborted, not as refused.
+        if exc.status_code < 500 and not isinstance(exc, Overloaded | Cancelled):
             _count_rejection(request, exc.status_code)
         return JSONResponse(exc.to_openai(), status_code=exc.status_code, headers=headers)
 

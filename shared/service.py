@@ -113,10 +113,12 @@ class Service:
         if last_event_id is not None and request_id is None:
             raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
         resume = last_event_id is not None
-        entry = self._existing_or_new(kind, body, request_id, resume=resume, event_ids=event_ids)
+        entry, attached = self._existing_or_new(kind, body, request_id, resume=resume, event_ids=event_ids)
         after = last_event_id or 0
         if entry.output.stream:
             entry.output.events.check_resumable(after)
+        if attached:  # counted once the resume point is known to be good
+            self.metrics.replayed_requests.inc()
         return self.registry.subscribe(entry, after)
 
     async def open_shared(
@@ -201,7 +203,8 @@ class Service:
     # --- admission ------------------------------------------------------------------------------
     def _existing_or_new(
         self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool, event_ids: bool
-    ) -> Entry:
+    ) -> tuple[Entry, bool]:
+        """The generation to read, and whether it already existed (an attach, resume or replay)."""
         self._check_model(body.model)
         fingerprint = None
         if request_id is not None:
@@ -209,8 +212,7 @@ class Service:
             fingerprint = _fingerprint(kind, body)
             existing = self.registry.find(request_id, fingerprint)
             if existing is not None:
-                self.metrics.replayed_requests.inc()
-                return existing
+                return existing, True
         if resume:
             raise EventsGone(
                 f"no stream with X-Request-Id {request_id!r} is held any more; "
@@ -218,7 +220,8 @@ class Service:
             )
         # Numbered only when the client can come back (an id) and reads SSE proper (asked for
         # text/event-stream): OpenAI's own clients and vLLM's bench read one `data:` line per event.
-        return self._start(kind, body, request_id, fingerprint, numbered=request_id is not None and event_ids)
+        numbered = request_id is not None and event_ids
+        return self._start(kind, body, request_id, fingerprint, numbered=numbered), False
 
     def _start(
         self,

@@ -409,11 +409,28 @@ async def test_last_event_id_past_the_live_end_of_a_running_stream_is_400() -> N
         await settle()
         app.engine.step(2)
         await settle()
+        attached = app.service.metrics.replayed_requests._value.get()
         ahead = await app.client.post(CHAT, json=body, headers={**headers, "Last-Event-ID": "40"})
         _assert_openai_error(ahead, 400)
         assert ahead.json()["error"]["param"] == "Last-Event-ID"
+        assert app.service.metrics.replayed_requests._value.get() == attached  # refused: no attach
         app.engine.step(50)
         assert (await first).status_code == 200
+
+
+async def test_a_cancelled_whole_answer_counts_as_aborted_not_as_refused() -> None:
+    async with _scripted_app(Settings()) as app:
+        app.engine.auto = False
+        metrics = app.service.metrics
+        waiting = asyncio.create_task(
+            app.client.post(CHAT, json={**VALID_CHAT, "max_tokens": 50}, headers={"X-Request-Id": "whole"})
+        )
+        await settle()
+        assert (await app.client.post("/v1/requests/whole/cancel")).json()["status"] == "cancelled"
+        answer = await waiting
+        assert answer.status_code == 499 and answer.json()["error"]["code"] == "request_cancelled"
+        assert metrics.aborted_requests.labels("cancelled")._value.get() == 1
+        assert metrics.rejected_requests.labels("499")._value.get() == 0  # it reached the engine
 
 
 # --- fuzzing -----------------------------------------------------------------------------------
