@@ -12,6 +12,7 @@ prediction is admitted. A one-token "probe" prediction therefore tells us what t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -150,6 +151,25 @@ def test_cancel_hook_fires_the_signal_of_the_run_it_submitted() -> None:
         loop.close()
 
 
+@contextlib.contextmanager
+def engine_loop() -> Iterator[tuple[asyncio.AbstractEventLoop, Callable[[Any], Any]]]:
+    """An event loop in a thread of its own, as the Cog runner keeps one beside coglet's slot
+    threads, and a way to run a coroutine on it from the test's thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
+
+    try:
+        yield loop, on_loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
 @pytest.mark.timeout(20)  # a runner that batches by count would wait here for tokens never released
 def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backlog() -> None:
     """Token by token, exactly: the runner's stream (`bridge.stream_text`, run in a thread as
@@ -158,12 +178,6 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
     gets everything since its last read in one item, which is why the real-server test below
     does not count its items."""
     engine = ScriptedEngine()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def on_loop(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
 
     async def start() -> Any:
         service = Service(Settings(), engine)
@@ -177,7 +191,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
         engine.step(tokens)
         await settle(20)  # the service has taken them in before the reader asks
 
-    try:
+    with engine_loop() as (loop, on_loop):
         pieces = bridge.stream_text(on_loop(start()), loop, RuntimeError)
         for index in range(3):
             on_loop(release(1))
@@ -188,10 +202,6 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
         assert next(pieces) == "t6 t7 "
         assert next(pieces, None) is None  # max_tokens reached: the stream ends
         on_loop(settle())  # the stream's own clean-up, handed to the loop as it ended
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
 
 
 def test_missing_hook_is_reported(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -653,12 +663,6 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
     reader leaving (as on the HTTP path), not an abort of the generation the other still reads.
     The last reader's cancel does abort it."""
     engine = ScriptedEngine()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def on_loop(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(5)
 
     async def start_two() -> tuple[Any, Any]:
         service = Service(Settings(), engine)
@@ -673,7 +677,7 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
         engine.step(tokens)
         await settle(20)
 
-    try:
+    with engine_loop() as (loop, on_loop):
         first, second = on_loop(start_two())
         signals = bridge.CancelSignal(), bridge.CancelSignal()
         kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
@@ -691,16 +695,12 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
             body = bridge.chat_request_from_inputs(service.settings, prompt="a b", max_tokens=4)
             return await bridge.start_chat(service, body, "alone")
 
-        alone, signal = on_loop(start_one()), bridge.CancelSignal()
-        pieces = bridge.stream_text(alone, loop, RuntimeError, signal)
+        alone, its_signal = on_loop(start_one()), bridge.CancelSignal()
+        pieces = bridge.stream_text(alone, loop, RuntimeError, its_signal)
         on_loop(release(1))
         assert next(pieces) == "t0 "
-        signal.fire()
+        its_signal.fire()
         on_loop(settle(20))
         assert engine.aborted == [engine.started[-1]]  # its only reader left: aborted at once
         pieces.close()
         on_loop(settle())
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
