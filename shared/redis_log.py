@@ -85,7 +85,7 @@ class StreamWriter:
         flushed = await asyncio.wait({self._flusher}, timeout=timeout_s)
         if not flushed[0]:
             self._flusher.cancel()
-            log.error("store unavailable: %d ends of shared streams were not written", len(self._finals))
+            log.error("store unavailable at exit: the last ends of shared streams were not written")
 
     def _kick(self) -> None:
         if self._flusher is None or self._flusher.done():
