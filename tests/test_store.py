@@ -29,7 +29,7 @@ from shared.redis_log import RemoteSubscription, StreamWriter
 from shared.replay import ReplayBuffer
 from shared.service import Service
 from shared.settings import Settings
-from shared.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore
+from shared.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore, replica_key
 from shared.streaming import DONE_DATA
 from tests.redis_server import RedisServer
 
@@ -54,6 +54,9 @@ def trips(metrics: Metrics, op: str) -> float:
 async def live_store(redis_server: RedisServer, name: str) -> IdentityStore:
     store = IdentityStore(redis_server.url, name, Metrics())
     store.start(on_cancel=lambda _: None)  # the heartbeat: followers see this owner alive
+    async with asyncio.timeout(10):  # ... once its first beat is written (a background task)
+        while not await store.client.exists(replica_key(name)):
+            await asyncio.sleep(0.01)
     return store
 
 
