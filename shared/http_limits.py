@@ -1,11 +1,11 @@
 """Bounds on what a connection may cost before the app sees a request (uvicorn's layer).
 
 What is bounded where:
-- bytes of a request's head (request line + headers) and the time to deliver it: here, in the
-  HTTP protocol, while the bytes arrive: 431 / 408, OpenAI error JSON, connection closed. uvicorn
-  has neither for httptools (its default parser), which buffers a header of any size (64 MiB took
-  6 s to parse before the auth middleware could answer 401) and waits forever for a head that
-  trickles in.
+- bytes of a request's head (request line + headers) and the time to deliver it (then that of
+  a small body after it): here, in the HTTP protocol, while the bytes arrive: 431 / 408, OpenAI
+  error JSON, connection closed. uvicorn has neither for httptools (its default parser), which
+  buffers a header of any size (64 MiB took 6 s to parse before the auth middleware could answer
+  401) and waits forever for a head that trickles in, or for a declared body that never comes.
 - header count and total parsed size, and the identity headers' syntax: `shared.headers.HeaderGuard`
   (ASGI, so it also holds where another server runs the app, such as Modal's).
 - idle keep-alive connections: uvicorn's `timeout_keep_alive`.
@@ -76,6 +76,7 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             # parser returned: the app never runs inside it.
             if waiting is not None and not waiting[0].more_body:
                 self._waiting_for_body = None
+                self._disarm_head_timer()
                 self._start_now(*waiting)
 
         def _feed(self, data: bytes) -> None:
@@ -128,6 +129,7 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             the same loop turn that read it, ahead of the queued token writes."""
             if self._in_head_callback and _small_body(cycle.scope, self.expect_100_continue):
                 self._waiting_for_body = (cycle, app)
+                self._arm_head_timer()  # a declared body that never comes is bounded too
                 return
             super()._start_asgi_task(cycle, app)
 
@@ -151,8 +153,13 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            if self._head_open and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._head_open:
                 self._refuse(RequestTimeout(f"request headers not received within {head_timeout_s:g} s"))
+            elif self._waiting_for_body is not None:
+                self._waiting_for_body = None
+                self._refuse(RequestTimeout(f"request body not received within {head_timeout_s:g} s"))
 
         def _refuse(self, error: BundleError) -> None:
             self.transport.write(raw_error_response(error))

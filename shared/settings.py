@@ -137,7 +137,10 @@ class Settings(BaseSettings):
         32_768, ge=4096, description="Request line plus headers, in bytes; then 431 (before auth)."
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="Time a connection has to deliver a request's headers; then 408."
+        10.0,
+        gt=0,
+        description="Time a connection has to deliver a request's headers, and then a body of up to "
+        "256 KiB; then 408.",
     )
     keep_alive_s: int = Field(30, ge=1, description="Idle keep-alive connections close after this.")
     shutdown_grace_s: float = Field(

@@ -571,6 +571,18 @@ def test_a_trickling_head_is_cut_with_408(bounded_server: tuple[str, int]) -> No
     assert time.monotonic() - started < 4  # cut at the 1 s bound, not after the 4 s trickle
 
 
+def test_a_declared_body_that_never_comes_is_cut_with_408(bounded_server: tuple[str, int]) -> None:
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+    )
+    started = time.monotonic()
+    reply = _raw_exchange(bounded_server, [head])  # 9 of the 100 bytes, then silence
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"body not received" in reply
+    assert time.monotonic() - started < 5
+
+
 def test_a_connection_that_sends_nothing_is_closed(bounded_server: tuple[str, int]) -> None:
     started = time.monotonic()
     reply = _raw_exchange(bounded_server, [])
