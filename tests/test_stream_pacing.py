@@ -74,11 +74,17 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
         load = {**body, "max_tokens": 1500, "stream": True}
         with client.stream("POST", "/v1/completions", json=load) as busy:
             assert busy.status_code == 200, busy.read()
-            next(busy.iter_raw())  # its first token is out: it runs while the next one is admitted
-            assert service.registry.running == 1
+            # Its first token is out: it runs while the next one is admitted. The iterator is
+            # kept: a generator dropped after one `next` is closed, and closing it closes the
+            # connection, so the server aborted the load as a disconnect, racing the admission
+            # below (every token alone in some fresh-clone runs).
+            load_chunks = busy.iter_raw()
+            next(load_chunks)
             with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
                 assert reply.status_code == 200
                 received = reply.read()
+            assert service.registry.running == 1  # the load still runs: it was running at admission
+            load_chunks.close()
     events = [line[6:] for line in received.split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]"
     choices = [orjson.loads(event)["choices"][0] for event in events[:-1]]
