@@ -334,6 +334,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = {}
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(exc.retry_after_s)
+        if isinstance(exc, RequestTooLarge):
+            # The rest of the body is not wanted: uvicorn closes after the answer instead of
+            # reading it to reach the next request (shared/http_limits.py, LingeringClose).
+            headers["Connection"] = "close"
         # 429s are counted where they are raised; a cancelled generation (499) had reached the
         # engine and is counted as aborted, not as refused.
         if exc.status_code < 500 and not isinstance(exc, Overloaded | Cancelled):

@@ -9,12 +9,20 @@ What is bounded where:
 - header count and total parsed size, and the identity headers' syntax: `shared.headers.HeaderGuard`
   (ASGI, so it also holds where another server runs the app, such as Modal's).
 - idle keep-alive connections: uvicorn's `timeout_keep_alive`.
-- the body: `shared.api` reads it with `max_body_bytes` (413).
+- the body: a declared `Content-Length` over `max_body_bytes` is refused here at its head (413,
+  httptools); `shared.api` also reads every body with that cap (413: chunked bodies, h11, Modal).
+  Either way the connection is then closed without reading the rest (`LingeringClose`).
 - the drain after SIGTERM: `shared.server_state` (grace) and uvicorn's `timeout_graceful_shutdown`.
 
 The deploy images pin httptools (shared/requirements-deploy.txt), so both bounds hold there.
 Without it uvicorn falls back to h11, whose own `max_incomplete_event_size` bounds the head
 size; the head timeout needs httptools.
+
+Closing on a client that is still sending would make the kernel answer its next bytes with a
+reset, which can destroy our 413 before the client reads it (most clients send the whole body
+before they read). So a connection closed while its request body is unread is closed the way
+nginx's lingering close does it: the answer is flushed, our side shut for writing, and whatever
+the client still sends is dropped unparsed for at most `LINGER_S`, then the connection closes.
 """
 
 from __future__ import annotations
@@ -24,12 +32,12 @@ import contextvars
 import sys
 from typing import Any
 
-from shared.errors import BundleError, HeadersTooLarge, RequestTimeout
+from shared.errors import BundleError, HeadersTooLarge, RequestTimeout, RequestTooLarge
 from shared.headers import stamp_arrival
 from shared.settings import Settings
 from shared.streaming import error_data
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large"}
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -42,14 +50,67 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         # the backstop that cuts whatever still hangs a little later.
         "timeout_graceful_shutdown": int(settings.shutdown_grace_s) + 5,
     }
-    protocol = bounded_httptools_protocol(settings.max_header_bytes, settings.header_timeout_s)
-    if protocol is not None:
-        options["http"] = protocol
+    protocol = bounded_httptools_protocol(
+        settings.max_header_bytes, settings.header_timeout_s, settings.max_body_bytes
+    )
+    options["http"] = protocol if protocol is not None else lingering_h11_protocol()
     return options
 
 
-def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> type | None:
-    """uvicorn's httptools protocol with a size and a time bound on each request's head."""
+# How long a closed connection still drops what its client sends (see the module's docstring):
+# long enough for a client on a slow link to finish sending and read the answer, short enough
+# that a client sending for ever holds nothing for long.
+LINGER_S = 2.0
+
+
+class LingeringClose:
+    """The proxy uvicorn's protocol sees as its transport: `close()` while the request's body
+    is still arriving lingers instead (module docstring). Everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._transport.is_closing() or not self._protocol.body_unread():
+            self._transport.close()
+            return
+        self._protocol.lingering = True
+        if self._transport.can_write_eof():
+            self._transport.write_eof()  # the answer is flushed first, then our FIN
+        self._transport.resume_reading()  # drop what comes instead of leaving it in the kernel
+        self._protocol.loop.call_later(LINGER_S, self._transport.close)
+
+
+def lingering_h11_protocol() -> type:
+    """uvicorn's h11 protocol, closing with `LingeringClose` (h11 is used without httptools)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class LingeringH11Protocol(H11Protocol):  # type: ignore[misc]
+        lingering = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
+
+        def body_unread(self) -> bool:
+            return bool(self.conn.their_state is h11.SEND_BODY)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.lingering:
+                super().data_received(data)
+
+    return LingeringH11Protocol
+
+
+def bounded_httptools_protocol(
+    max_head_bytes: int, head_timeout_s: float, max_body_bytes: int = 1 << 20
+) -> type | None:
+    """uvicorn's httptools protocol with a size and a time bound on each request's head, a
+    declared body over `max_body_bytes` refused at its head, and `LingeringClose`."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools: uvicorn falls back to h11 (bounded by size only)
@@ -64,12 +125,19 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             # A small request's ASGI task waits for its whole body, then starts at once (below).
             self._in_head_callback = False
             self._waiting_for_body: tuple[Any, Any] | None = None
+            self.lingering = False
+            self._oversized = False  # this request's declared body is over max_body_bytes
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
             self._arm_head_timer()  # a connection that never sends a byte is bounded too
 
+        def body_unread(self) -> bool:
+            return self.cycle is not None and self.cycle.more_body
+
         def data_received(self, data: bytes) -> None:
+            if self.lingering:
+                return  # closing: what the client still sends is dropped unparsed
             self._feed(data)
             waiting = self._waiting_for_body
             # Body whole (uvicorn's on_message_complete clears more_body). Started after the
@@ -95,13 +163,19 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             elif not self.transport.is_closing():
                 super().data_received(data[room:])
 
+        # Once refused, the rest of the bytes already handed to the parser are parsed anyway
+        # (it cannot be stopped mid-feed without uvicorn answering 400): ignore them.
         def on_message_begin(self) -> None:
+            if self.lingering:
+                return
             super().on_message_begin()
             stamp_arrival(self.scope)  # before the loop queues its task: admission counts from here
             self._head_open = True
             self._arm_head_timer()
 
         def on_headers_complete(self) -> None:
+            if self.lingering:
+                return
             self._head_open = False
             self._disarm_head_timer()
             self._in_head_callback = True
@@ -109,8 +183,24 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
                 super().on_headers_complete()
             finally:
                 self._in_head_callback = False
+            if self._oversized:
+                self._oversized = False
+                self._refuse(RequestTooLarge(f"request body exceeds {max_body_bytes} bytes"))
+
+        def on_body(self, body: bytes) -> None:
+            if self.lingering:
+                return
+            super().on_body(body)
+            if self._waiting_for_body is not None:
+                # uvicorn stops reading once 64 KiB of body are buffered, until the app reads
+                # them; this request's app starts only when its body is whole, so nothing would
+                # ever resume the read (a 100-250 KB body waited for the 408). Keep reading:
+                # what is buffered is bounded by SMALL_BODY_BYTES.
+                self.flow.resume_reading()
 
         def on_message_complete(self) -> None:
+            if self.lingering:
+                return
             super().on_message_complete()
             # Whatever comes next on this connection is the next request's head.
             self._head_open = True
@@ -127,7 +217,12 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
             waits behind it, then waits again for its body. A small request is started instead
             when its body is complete, eagerly: parsed, validated and handed to the engine in
             the same loop turn that read it, ahead of the queued token writes."""
-            if self._in_head_callback and _small_body(cycle.scope, self.expect_100_continue):
+            if self._in_head_callback and _declared_length(cycle.scope) > max_body_bytes:
+                # Refused as soon as the head callback returns, before any task or route runs
+                # (auth included): nothing of the body is read, buffered or parsed.
+                self._oversized = True
+                return
+            if self._in_head_callback and _small_body(cycle.scope, self.expect_100_continue, max_body_bytes):
                 self._waiting_for_body = (cycle, app)
                 self._arm_head_timer()  # a declared body that never comes is bounded too
                 return
@@ -163,7 +258,7 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
 
         def _refuse(self, error: BundleError) -> None:
             self.transport.write(raw_error_response(error))
-            self.transport.close()
+            self.transport.close()  # lingers when a body is still on its way (LingeringClose)
 
     return BoundedHttpToolsProtocol
 
@@ -173,17 +268,22 @@ def bounded_httptools_protocol(max_head_bytes: int, head_timeout_s: float) -> ty
 SMALL_BODY_BYTES = 256 * 1024
 
 
-def _small_body(scope: dict[str, Any], expects_continue: bool) -> bool:
-    """A body that will arrive whole on its own: declared, small, not held back for a 100."""
+def _small_body(scope: dict[str, Any], expects_continue: bool, max_body_bytes: int) -> bool:
+    """A body that will arrive whole on its own: declared, small, not held back for a 100
+    (and not one to be refused for its size: that is answered at once)."""
     if expects_continue:
         return False
-    length = None
+    if any(name == b"transfer-encoding" for name, _ in scope["headers"]):
+        return False  # chunked: may stream for as long as the client likes
+    return _declared_length(scope) <= min(SMALL_BODY_BYTES, max_body_bytes)
+
+
+def _declared_length(scope: dict[str, Any]) -> int:
+    """The request's Content-Length; 0 when absent or not a number (the parser refuses those)."""
     for name, value in scope["headers"]:
-        if name == b"transfer-encoding":
-            return False  # chunked: may stream for as long as the client likes
         if name == b"content-length":
-            length = value
-    return length is None or (length.isdigit() and int(length) <= SMALL_BODY_BYTES)
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def raw_error_response(error: BundleError) -> bytes:

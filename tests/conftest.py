@@ -56,10 +56,16 @@ class LiveServers:
 
     def serve(self, **overrides: Any) -> tuple[str, Service]:
         """Start an app with these settings; return its base URL and its Service."""
+        return self.serve_with({}, **overrides)
+
+    def serve_with(self, uvicorn_options: dict[str, Any], **overrides: Any) -> tuple[str, Service]:
+        """`serve`, with these uvicorn.Config options (the bundle's protocol, say)."""
         settings = Settings(**{**ENGINE_SETTINGS.model_dump(), **overrides})
         app = create_app(settings, engine=self.engine)
         port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **uvicorn_options
+        )
         server = uvicorn.Server(config)
         self._servers.append(server)
 
