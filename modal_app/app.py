@@ -28,15 +28,17 @@ the loop that later serves the HTTP requests. What the two ways of running this 
   would never run. And whatever serves the returned app locally (uvicorn in the tests) runs its
   own loop, which no enter hook can know.
 
-So, with snapshots on (`BUNDLE_MODAL_SNAPSHOT`, the default), the hooks are plain functions that
-return their coroutine only inside a container (`in_container`): there Modal runs it on the
-serving loop, before the snapshot (start the engine, warm it up, put it to sleep) and after each
-restore (wake it; a failed wake raises, and Modal ends the container so that it is replaced).
+So, with snapshots on (`BUNDLE_MODAL_SNAPSHOT`, the default for one GPU), the hooks are plain
+functions that return their coroutine only inside a container (`in_container`): there Modal
+runs it on the serving loop, before the snapshot (start the engine, warm it up, put it to
+sleep) and after each restore (wake it; a failed wake raises, and Modal ends the container so
+that it is replaced).
 The app's lifespan then takes that engine (`EngineLifecycle.engine_factory`). Under `.local()`
 the hooks do nothing and the same lifespan starts an engine itself, on uvicorn's loop. With
 snapshots off there are no hooks at all and the lifespan always starts the engine. Either way
 the asleep engine is woken before the first request: the restore hook finishes before Modal
-routes any input to the container.
+routes any input to the container. `python -m bench.modal_rehearsal` runs this class through
+Modal's own lifecycle code on one loop, the way a container does, and times each phase.
 """
 
 from __future__ import annotations
@@ -138,10 +140,18 @@ def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Se
 # With snapshots, a new container is restored from memory with the engine already started,
 # compiled, warmed up and asleep (weights in host memory, GPU nearly empty): it only wakes it.
 # Modal takes snapshots only of deployed apps, after a few ordinary cold boots.
+# Modal snapshots the GPU memory of single-GPU functions only: with several GPUs ("H100:2")
+# snapshots are off unless asked for, and asking for them stops the deploy (`use_snapshots`).
+SNAPSHOTS = MODAL.use_snapshots()
+if MODAL.gpu_count > 1 and not SNAPSHOTS and "snapshot" not in MODAL.model_fields_set:
+    log.warning(
+        "BUNDLE_MODAL_GPU=%s: %d GPUs, so no GPU memory snapshots (Modal snapshots single-GPU "
+        "functions only); every cold start starts the engine",
+        MODAL.gpu,
+        MODAL.gpu_count,
+    )
 SNAPSHOT_OPTIONS: dict[str, Any] = (
-    {"enable_memory_snapshot": True, "experimental_options": {"enable_gpu_snapshot": True}}
-    if MODAL.snapshot
-    else {}
+    {"enable_memory_snapshot": True, "experimental_options": {"enable_gpu_snapshot": True}} if SNAPSHOTS else {}
 )
 
 Work = Coroutine[Any, Any, Any]
@@ -177,7 +187,7 @@ app = modal.App(MODAL.app_name)
 class Server:
     lifecycle: EngineLifecycle | None = None  # set by the snapshot hooks
 
-    if MODAL.snapshot:
+    if SNAPSHOTS:
 
         @modal.enter(snap=True)
         def prepare_snapshot(self) -> Work | None:
