@@ -186,12 +186,17 @@ app = modal.App(MODAL.app_name)
 @modal.concurrent(max_inputs=MAX_INPUTS, target_inputs=TARGET_INPUTS)
 class Server:
     lifecycle: EngineLifecycle | None = None  # set by the snapshot hooks
+    web_app: FastAPI | None = None  # built before the snapshot, when there is one
 
     if SNAPSHOTS:
 
         @modal.enter(snap=True)
         def prepare_snapshot(self) -> Work | None:
             self.lifecycle = EngineLifecycle(SETTINGS)
+            # The app is built here, before the snapshot, so that a restore finds the web stack
+            # imported and the app made: built after the wake-up (in `web`) it cost 0.7 s between
+            # the restore and the first token (bench/modal_rehearsal.py, CPU).
+            self.web_app = _build_app(self.lifecycle)
             return in_container(self.lifecycle.prepare_for_snapshot)
 
         @modal.enter(snap=False)
@@ -201,13 +206,7 @@ class Server:
 
     @modal.asgi_app(requires_proxy_auth=MODAL.requires_proxy_auth)
     def web(self) -> FastAPI:
-        from shared.api import create_app
-
-        # In a container, a dead engine retires the container (see `_retire_container`).
-        retire = None if modal.is_local() else _retire_container
-        if self.lifecycle is None:  # no snapshot hooks: the lifespan starts the engine
-            return create_app(SETTINGS, request_exit=retire)
-        return create_app(SETTINGS, engine_factory=self.lifecycle.engine_factory, request_exit=retire)
+        return self.web_app if self.web_app is not None else _build_app(self.lifecycle)
 
     @modal.exit()
     def stop(self) -> Work | None:
@@ -217,6 +216,17 @@ class Server:
         if self.lifecycle is None or self.lifecycle.engine is None:
             return None
         return in_container(self.lifecycle.stop)
+
+
+def _build_app(lifecycle: EngineLifecycle | None) -> FastAPI:
+    """The core's app: on the snapshot hooks' engine when there is one, else the app's lifespan
+    starts the engine. In a container, a dead engine retires the container."""
+    from shared.api import create_app
+
+    retire = None if modal.is_local() else _retire_container
+    if lifecycle is None:
+        return create_app(SETTINGS, request_exit=retire)
+    return create_app(SETTINGS, engine_factory=lifecycle.engine_factory, request_exit=retire)
 
 
 def _retire_container(code: int) -> None:
