@@ -48,6 +48,13 @@
 #      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
 #      run("bash bench/gpu.sh graphs")         # the same with CUDA graphs capped at 256 (the old default)
 #      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-graphs-256]/sleepwake.json
+#   Modal class (issue 28), one command, ~4-6 min (two engine starts):
+#      run("bash bench/gpu.sh modal")  # modal_app.app.Server through Modal's own container code on one
+#      loop (bench/modal_rehearsal.py): snapshots on (snap=True hooks start, warm, sleep; snapshot
+#      point; snap=False hook wakes; the ASGI app serves; exit hooks), then off (the lifespan starts
+#      the engine). BENCH_MODAL_PATHS=on runs the first only.
+#      -> $OUT/modal/modal.json (bars: wake -> first token <= 1.5 s, identical token ids, tok/s
+#      after wake >= 0.98 of never slept, GPU memory asleep) + modal-{on,off}.log
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -186,6 +193,21 @@ case "$stage" in
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
+  modal)  # the Modal class as its container runs it; each path bounded, a failed one still reports
+    export BUNDLE_MODEL=tiny  # unset, the Modal app would serve its pinned Hub model (no network here)
+    out=bench/gpu-results/modal
+    rm -f $out/modal.json && mkdir -p "${OUT:-/tmp/out}/modal"
+    for path in ${BENCH_MODAL_PATHS:-on off}; do
+      limit=$([ "$path" = on ] && echo 320 || echo 220)
+      # BENCH_MODAL_ARGS: other counts (e.g. "--streams 4 --prompt-tokens 32 --output-tokens 16" for a CPU dry run)
+      # shellcheck disable=SC2086
+      timeout -k 10 $limit python3 -m bench.modal_rehearsal --snapshots "$path" --out $out \
+        ${BENCH_MODAL_ARGS:---streams 64 --prompt-tokens 512 --output-tokens 256 --vocab 128000} \
+        > "${OUT:-/tmp/out}/modal/modal-$path.log" 2>&1 ||
+        echo "modal rehearsal, snapshots $path: failed or missed a bar (see modal-$path.log)"
+    done
+    cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
+    exit 0 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
