@@ -55,6 +55,10 @@
 #      the engine). BENCH_MODAL_PATHS=on runs the first only.
 #      -> $OUT/modal/modal.json (bars: wake -> first token <= 1.5 s, identical token ids, tok/s
 #      after wake >= 0.98 of never slept, GPU memory asleep) + modal-{on,off}.log
+#      The GPU image has no Modal SDK: .whl/ must also hold it (pure Python; what it imports there):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_17_x86_64 -d .whl modal==1.6.4 synchronicity==0.12.7 grpclib==0.4.9 \
+#        h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -195,6 +199,9 @@ case "$stage" in
     exit 0 ;;
   modal)  # the Modal class as its container runs it; each path bounded, a failed one still reports
     export BUNDLE_MODEL=tiny  # unset, the Modal app would serve its pinned Hub model (no network here)
+    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
+    python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
     out=bench/gpu-results/modal
     rm -f $out/modal.json && mkdir -p "${OUT:-/tmp/out}/modal"
     for path in ${BENCH_MODAL_PATHS:-on off}; do
