@@ -52,7 +52,8 @@
 #      run("bash bench/gpu.sh modal")  # modal_app.app.Server through Modal's own container code on one
 #      loop (bench/modal_rehearsal.py): snapshots on (snap=True hooks start, warm, sleep; snapshot
 #      point; snap=False hook wakes; the ASGI app serves; exit hooks), then off (the lifespan starts
-#      the engine). BENCH_MODAL_PATHS=on runs the first only.
+#      the engine). BENCH_MODAL_PATHS=on runs the first only (then =off: merged into one modal.json),
+#      for a lease whose compile cache is still empty (a cold engine start there is up to ~175 s).
 #      -> $OUT/modal/modal.json (bars: wake -> first token <= 1.5 s, identical token ids, tok/s
 #      after wake >= 0.98 of never slept, GPU memory asleep) + modal-{on,off}.log
 #      The GPU image has no Modal SDK: .whl/ must also hold it (pure Python; what it imports there):
@@ -203,7 +204,9 @@ case "$stage" in
       .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
     python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
     out=bench/gpu-results/modal
-    rm -f $out/modal.json && mkdir -p "${OUT:-/tmp/out}/modal"
+    # A full run starts a fresh report; BENCH_MODAL_PATHS=on, then =off, merge into one (two commands)
+    if [ -z "${BENCH_MODAL_PATHS:-}" ]; then rm -f $out/modal.json; fi
+    mkdir -p "${OUT:-/tmp/out}/modal"
     for path in ${BENCH_MODAL_PATHS:-on off}; do
       limit=$([ "$path" = on ] && echo 320 || echo 220)
       # BENCH_MODAL_ARGS: other counts (e.g. "--streams 4 --prompt-tokens 32 --output-tokens 16" for a CPU dry run)
