@@ -48,6 +48,18 @@
 #      run("bash bench/gpu.sh sleepwake")      # same token ids and tok/s at 256 streams after wake
 #      run("bash bench/gpu.sh graphs")         # the same with CUDA graphs capped at 256 (the old default)
 #      -> $OUT/startup/startup.{json,md} + server logs, $OUT/sleepwake[-graphs-256]/sleepwake.json
+#   Modal class (issue 28), one command, ~4-6 min (two engine starts):
+#      run("bash bench/gpu.sh modal")  # modal_app.app.Server through Modal's own container code on one
+#      loop (bench/modal_rehearsal.py): snapshots on (snap=True hooks start, warm, sleep; snapshot
+#      point; snap=False hook wakes; the ASGI app serves; exit hooks), then off (the lifespan starts
+#      the engine). BENCH_MODAL_PATHS=on runs the first only (then =off: merged into one modal.json),
+#      for a lease whose compile cache is still empty (a cold engine start there is up to ~175 s).
+#      -> $OUT/modal/modal.json (bars: wake -> first token <= 1.5 s, identical token ids, tok/s
+#      after wake >= 0.98 of never slept, GPU memory asleep) + modal-{on,off}.log
+#      The GPU image has no Modal SDK: .whl/ must also hold it (pure Python; what it imports there):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_17_x86_64 -d .whl modal==1.6.4 synchronicity==0.12.7 grpclib==0.4.9 \
+#        h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -186,6 +198,26 @@ case "$stage" in
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs"; exit 2 ;;
+  modal)  # the Modal class as its container runs it; each path bounded, a failed one still reports
+    export BUNDLE_MODEL=tiny  # unset, the Modal app would serve its pinned Hub model (no network here)
+    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
+    python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
+    out=bench/gpu-results/modal
+    # A full run starts a fresh report; BENCH_MODAL_PATHS=on, then =off, merge into one (two commands)
+    if [ -z "${BENCH_MODAL_PATHS:-}" ]; then rm -f $out/modal.json; fi
+    mkdir -p "${OUT:-/tmp/out}/modal"
+    for path in ${BENCH_MODAL_PATHS:-on off}; do
+      limit=$([ "$path" = on ] && echo 320 || echo 220)
+      # BENCH_MODAL_ARGS: other counts (e.g. "--streams 4 --prompt-tokens 32 --output-tokens 16" for a CPU dry run)
+      # shellcheck disable=SC2086
+      timeout -k 10 $limit python3 -m bench.modal_rehearsal --snapshots "$path" --out $out \
+        ${BENCH_MODAL_ARGS:---streams 64 --prompt-tokens 512 --output-tokens 256 --vocab 128000} \
+        > "${OUT:-/tmp/out}/modal/modal-$path.log" 2>&1 ||
+        echo "modal rehearsal, snapshots $path: failed or missed a bar (see modal-$path.log)"
+    done
+    cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
+    exit 0 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

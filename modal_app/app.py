@@ -28,15 +28,17 @@ the loop that later serves the HTTP requests. What the two ways of running this 
   would never run. And whatever serves the returned app locally (uvicorn in the tests) runs its
   own loop, which no enter hook can know.
 
-So, with snapshots on (`BUNDLE_MODAL_SNAPSHOT`, the default), the hooks are plain functions that
-return their coroutine only inside a container (`in_container`): there Modal runs it on the
-serving loop, before the snapshot (start the engine, warm it up, put it to sleep) and after each
-restore (wake it; a failed wake raises, and Modal ends the container so that it is replaced).
+So, with snapshots on (`BUNDLE_MODAL_SNAPSHOT`, the default for one GPU), the hooks are plain
+functions that return their coroutine only inside a container (`in_container`): there Modal
+runs it on the serving loop, before the snapshot (start the engine, warm it up, put it to
+sleep) and after each restore (wake it; a failed wake raises, and Modal ends the container so
+that it is replaced).
 The app's lifespan then takes that engine (`EngineLifecycle.engine_factory`). Under `.local()`
 the hooks do nothing and the same lifespan starts an engine itself, on uvicorn's loop. With
 snapshots off there are no hooks at all and the lifespan always starts the engine. Either way
 the asleep engine is woken before the first request: the restore hook finishes before Modal
-routes any input to the container.
+routes any input to the container. `python -m bench.modal_rehearsal` runs this class through
+Modal's own lifecycle code on one loop, the way a container does, and times each phase.
 """
 
 from __future__ import annotations
@@ -138,10 +140,18 @@ def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Se
 # With snapshots, a new container is restored from memory with the engine already started,
 # compiled, warmed up and asleep (weights in host memory, GPU nearly empty): it only wakes it.
 # Modal takes snapshots only of deployed apps, after a few ordinary cold boots.
+# Modal snapshots the GPU memory of single-GPU functions only: with several GPUs ("H100:2")
+# snapshots are off unless asked for, and asking for them stops the deploy (`use_snapshots`).
+SNAPSHOTS = MODAL.use_snapshots()
+if MODAL.gpu_count > 1 and not SNAPSHOTS and "snapshot" not in MODAL.model_fields_set:
+    log.warning(
+        "BUNDLE_MODAL_GPU=%s: %d GPUs, so no GPU memory snapshots (Modal snapshots single-GPU "
+        "functions only); every cold start starts the engine",
+        MODAL.gpu,
+        MODAL.gpu_count,
+    )
 SNAPSHOT_OPTIONS: dict[str, Any] = (
-    {"enable_memory_snapshot": True, "experimental_options": {"enable_gpu_snapshot": True}}
-    if MODAL.snapshot
-    else {}
+    {"enable_memory_snapshot": True, "experimental_options": {"enable_gpu_snapshot": True}} if SNAPSHOTS else {}
 )
 
 Work = Coroutine[Any, Any, Any]
@@ -176,12 +186,17 @@ app = modal.App(MODAL.app_name)
 @modal.concurrent(max_inputs=MAX_INPUTS, target_inputs=TARGET_INPUTS)
 class Server:
     lifecycle: EngineLifecycle | None = None  # set by the snapshot hooks
+    web_app: FastAPI | None = None  # built before the snapshot, when there is one
 
-    if MODAL.snapshot:
+    if SNAPSHOTS:
 
         @modal.enter(snap=True)
         def prepare_snapshot(self) -> Work | None:
             self.lifecycle = EngineLifecycle(SETTINGS)
+            # The app is built here, before the snapshot, so that a restore finds the web stack
+            # imported and the app made: built after the wake-up (in `web`) it cost 0.7 s between
+            # the restore and the first token (bench/modal_rehearsal.py, CPU).
+            self.web_app = _build_app(self.lifecycle)
             return in_container(self.lifecycle.prepare_for_snapshot)
 
         @modal.enter(snap=False)
@@ -191,13 +206,7 @@ class Server:
 
     @modal.asgi_app(requires_proxy_auth=MODAL.requires_proxy_auth)
     def web(self) -> FastAPI:
-        from shared.api import create_app
-
-        # In a container, a dead engine retires the container (see `_retire_container`).
-        retire = None if modal.is_local() else _retire_container
-        if self.lifecycle is None:  # no snapshot hooks: the lifespan starts the engine
-            return create_app(SETTINGS, request_exit=retire)
-        return create_app(SETTINGS, engine_factory=self.lifecycle.engine_factory, request_exit=retire)
+        return self.web_app if self.web_app is not None else _build_app(self.lifecycle)
 
     @modal.exit()
     def stop(self) -> Work | None:
@@ -207,6 +216,17 @@ class Server:
         if self.lifecycle is None or self.lifecycle.engine is None:
             return None
         return in_container(self.lifecycle.stop)
+
+
+def _build_app(lifecycle: EngineLifecycle | None) -> FastAPI:
+    """The core's app: on the snapshot hooks' engine when there is one, else the app's lifespan
+    starts the engine. In a container, a dead engine retires the container."""
+    from shared.api import create_app
+
+    retire = None if modal.is_local() else _retire_container
+    if lifecycle is None:
+        return create_app(SETTINGS, request_exit=retire)
+    return create_app(SETTINGS, engine_factory=lifecycle.engine_factory, request_exit=retire)
 
 
 def _retire_container(code: int) -> None:

@@ -32,8 +32,35 @@ class ModalSettings(BaseSettings):
     snapshot: bool = Field(
         True,
         description="GPU memory snapshots: start, warm up and put the engine to sleep before the "
-        "snapshot, wake it after each restore.",
+        "snapshot, wake it after each restore. Left unset, on for one GPU and off for several.",
     )
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs per container, parsed by Modal's own parser (`H100:2`, `h100:2`, `A100-80GB:4`,
+        `H200`), so this count is the one Modal will request. A bad count raises Modal's error."""
+        from modal._utils.function_utils import parse_gpu_config
+
+        return max(parse_gpu_config(self.gpu).count, 1)
+
+    def use_snapshots(self) -> bool:
+        """Whether the class is declared with GPU memory snapshots.
+
+        Modal snapshots the GPU memory of single-GPU functions only. Left at its default, the
+        setting follows that rule: several GPUs deploy without snapshots (every cold start then
+        starts the engine: slower, but it works). Asked for explicitly with several GPUs, the
+        deploy stops instead: the user said they want snapshot cold starts, and a deploy that
+        silently drops them would surprise them on the bill and in latency, not at deploy.
+        """
+        if self.gpu_count == 1:
+            return self.snapshot
+        if self.snapshot and "snapshot" in self.model_fields_set:
+            raise ValueError(
+                f"BUNDLE_MODAL_SNAPSHOT=true needs one GPU: Modal takes GPU memory snapshots of "
+                f"single-GPU functions only, and BUNDLE_MODAL_GPU={self.gpu} asks for {self.gpu_count} "
+                f"(unset BUNDLE_MODAL_SNAPSHOT or set it to false)"
+            )
+        return False
 
     def concurrency(self, max_num_seqs: int, max_in_flight: int) -> tuple[int, int]:
         """`(max_inputs, target_inputs)` for `@modal.concurrent`.

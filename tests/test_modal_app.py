@@ -298,3 +298,67 @@ def test_snapshot_hooks_hand_modal_a_coroutine_only_in_a_container(monkeypatch: 
     work = server.prepare_snapshot()
     assert asyncio.iscoroutine(work)
     work.close()
+
+
+# --- several GPUs: Modal snapshots the GPU memory of single-GPU functions only --------------------
+@pytest.mark.parametrize(
+    ("spec", "count"),
+    [("H200", 1), ("h100", 1), ("H100:2", 2), ("h100:2", 2), ("A100-80GB:4", 4), ("L40S:1", 1)],
+)
+def test_the_gpu_count_is_the_one_modal_parses(spec: str, count: int) -> None:
+    assert ModalSettings(gpu=spec).gpu_count == count
+
+
+def test_a_bad_gpu_count_stops_the_deploy_with_modals_reason() -> None:
+    with pytest.raises(modal.exception.InvalidError, match="Invalid GPU count"):
+        ModalSettings(gpu="H100:two").use_snapshots()
+
+
+def test_several_gpus_deploy_without_snapshots_by_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="modal_app.app"):
+        module, passed = load_recording_cls_options(monkeypatch, BUNDLE_MODAL_GPU="h100:2")
+    assert module.Server._get_class_service_function().info().gpus == [("H100", 2)]
+    assert "enable_memory_snapshot" not in passed and "experimental_options" not in passed
+    assert enter_hooks(module) == {"pre": set(), "post": set()}
+    # One line at deploy says why, naming the GPU spec.
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "h100:2" in warnings[0] and "\n" not in warnings[0]
+
+
+def test_one_gpu_keeps_snapshots_and_says_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="modal_app.app"):
+        module, passed = load_recording_cls_options(monkeypatch, BUNDLE_MODAL_GPU="A100-80GB")
+    assert passed["enable_memory_snapshot"] is True
+    assert enter_hooks(module) == {"pre": {"prepare_snapshot"}, "post": {"wake_after_restore"}}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_snapshots_asked_for_with_several_gpus_refuse_the_deploy(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"^BUNDLE_MODAL_SNAPSHOT=true needs one GPU") as refused:
+        load_modal_app(monkeypatch, BUNDLE_MODAL_GPU="A100-80GB:4", BUNDLE_MODAL_SNAPSHOT="true")
+    assert "A100-80GB:4 asks for 4" in str(refused.value) and "\n" not in str(refused.value)
+    # Turned off explicitly, several GPUs deploy, silently: the user chose it.
+    module, passed = load_recording_cls_options(
+        monkeypatch, BUNDLE_MODAL_GPU="H100:2", BUNDLE_MODAL_SNAPSHOT="false"
+    )
+    assert "enable_memory_snapshot" not in passed
+    assert module.CONTAINER_ENV["BUNDLE_MODAL_SNAPSHOT"] == "false"
+
+
+def test_the_web_app_is_built_before_the_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restore then pays neither the web stack's imports nor building the app (0.72 s measured
+    # by bench/modal_rehearsal.py on CPU when web() built it after the wake-up).
+    module = load_modal_app(monkeypatch, BUNDLE_MODAL_SNAPSHOT="true", BUNDLE_MODEL="tiny")
+    server = module.Server._get_user_cls()()
+    assert server.web_app is None
+    server.prepare_snapshot()
+    assert server.web_app is not None and server.web_app.state.settings is module.SETTINGS
+    assert server.web() is server.web_app
+    # Without snapshots there is no hook: web() builds the app whose lifespan starts the engine.
+    off = load_modal_app(monkeypatch, BUNDLE_MODAL_SNAPSHOT="false", BUNDLE_MODEL="tiny")
+    plain = off.Server._get_user_cls()()
+    assert plain.web_app is None and plain.web() is not plain.web()
