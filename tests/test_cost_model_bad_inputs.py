@@ -51,7 +51,7 @@ CASES: list[tuple[str, list[str], str | None, str]] = [
     ("billed without active", ["--billed", "idle"], None, "--billed"),
     ("p95 target zero", ["--p95-ttft-s", "0"], None, "within"),
     ("unknown GPU", ["--gpu", "Z80"], None, "unknown GPU"),
-    ("unknown entry", ["--entries", "nope"], None, "unknown catalogue entry"),
+    ("unknown entry", ["--entries", "nope"], None, "unknown entry 'nope'"),
     ("bench missing", ["--bench", "{missing}"], None, "not found"),
     ("bench not JSON", ["--bench", "{file}"], "{not json", "cannot read benchmark"),
     ("bench wrong shape", ["--bench", "{file}"], '{"targets": {"bundle": {}}}', "malformed benchmark"),
