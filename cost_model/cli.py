@@ -18,7 +18,7 @@ from cost_model.billing import Overrides
 from cost_model.catalogue import Catalogue, Entry
 from cost_model.errors import CostModelError
 from cost_model.finetunes import DEFAULT_LORA_OVERHEAD, LoraPlan
-from cost_model.limits import OneLineParser, integer, number
+from cost_model.limits import BOUNDS, OneLineParser, integer, number
 from cost_model.profile import build_service
 from cost_model.report import render_json, render_text
 from cost_model.scenarios import SCENARIOS, notes_for, scenario
@@ -347,7 +347,20 @@ def make_catalogue(v: dict[str, Any]) -> tuple[Catalogue, list[str]]:
     return cat, [raw["id"] for raw in custom]
 
 
+# Each GPU row is simulated (up to ~0.3 s, more with the advice and --fine-tunes); the packaged
+# catalogue selects about a dozen rows for one GPU, so 100 leaves room for a user's own catalogue while
+# an estimate still ends in about a minute, not hours.
+MAX_ROWS = 100
+
+
 def select_entries(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> list[Entry]:
+    chosen = _choose(cat, v, custom_ids)
+    if len(chosen) > MAX_ROWS:
+        raise CostModelError(f"{len(chosen)} entries selected, at most {MAX_ROWS}: narrow them with --entries")
+    return chosen
+
+
+def _choose(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> list[Entry]:
     if v.get("entries") is not None:  # "" is a list of no entries (refused), not "every entry"
         return cat.pick(v["entries"])
     if v["gpu"] not in cat.gpus():
@@ -369,11 +382,16 @@ def select_entries(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> 
     ]
 
 
-def _lora_plan(v: dict[str, Any]) -> LoraPlan | None:
+def _lora_plan(v: dict[str, Any], w: Workload) -> LoraPlan | None:
     if v.get("fine_tunes") is None:
         if v.get("lora_overhead") is not None:
             raise CostModelError("--lora-overhead needs --fine-tunes N")
         return None
+    each, floor = w.requests_per_day / v["fine_tunes"], BOUNDS["requests-per-day"][0]
+    if each < floor:  # the same floor as one deployment's rate: below it the simulation sees no request
+        raise CostModelError(
+            f"--fine-tunes {v['fine_tunes']} leaves {each:.3g} requests/day per deployment, below {floor:g}"
+        )
     overhead = v.get("lora_overhead")
     return LoraPlan(v["fine_tunes"], DEFAULT_LORA_OVERHEAD if overhead is None else overhead)
 
@@ -393,8 +411,8 @@ def run_estimate(args: argparse.Namespace, console: Console) -> None:
     if args.cold_start is not None:
         v["_cold_source"] = "--cold-start"
     check_options(v)
-    lora = _lora_plan(v)
     workload = make_workload(v)
+    lora = _lora_plan(v, workload)
     service, service_notes, snapshot = build_service(v)
     overrides = make_overrides(v)
     cat, custom_ids = make_catalogue(v)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cost_model.cli import main
+from cost_model.cli import MAX_ROWS, main
 from cost_model.inputfile import MAX_INPUT_BYTES
 
 FIXTURES = Path(__file__).parent / "cost_model_fixtures"
@@ -87,6 +88,15 @@ def test_plot_other_formats_matplotlib_writes(
     code, _, err = _run(capsys, *QUICK, "--entries", "modal-h100", "--json", "--plot", str(tmp_path / name))
     assert code == 0, err
     assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_plot_format_needing_a_missing_program_is_refused_first(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # pgf is on matplotlib's list but is written by running a TeX system.
+    if shutil.which("xelatex"):
+        pytest.skip("xelatex is installed here: pgf can be written")
+    _refused(capsys, "xelatex, which is not installed", *QUICK, "--plot", str(tmp_path / "p.pgf"))
 
 
 def test_plot_into_missing_folder_or_onto_a_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -165,6 +175,17 @@ def test_catalogue_rules_are_bounded_like_the_flags(
     _refused(capsys, needle, *QUICK, "--catalogue", str(f))
 
 
+def test_rows_to_simulate_are_bounded(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Every GPU row is simulated: a catalogue of thousands would run for hours, so it is refused.
+    rows = [
+        {"id": f"g{i}", "platform": "modal", "kind": "per_second", "gpu": "A100-80GB", "usd_per_second": 0.001}
+        for i in range(MAX_ROWS + 1)
+    ]
+    f = tmp_path / "many.json"
+    f.write_text(json.dumps({"entries": [{**r, "source": "test", "read_on": "2026-12-01"} for r in rows]}))
+    _refused(capsys, f"at most {MAX_ROWS}", *QUICK, "--catalogue", str(f))
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
@@ -175,6 +196,7 @@ def test_catalogue_rules_are_bounded_like_the_flags(
         (["--fine-tunes", "nan"], "whole number"),
         (["--lora-overhead", "-0.1", "--fine-tunes", "2"], "within 0..1"),
         (["--lora-overhead", "inf", "--fine-tunes", "2"], "finite"),
+        (["--fine-tunes", "1000", "--requests-per-day", "5"], "0.005 requests/day per deployment, below 0.01"),
     ],
 )
 def test_options_ignored_or_out_of_range_are_refused(

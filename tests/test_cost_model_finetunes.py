@@ -21,7 +21,9 @@ from cost_model.workload import Workload
 CAT = load_packaged()
 SERVICE = from_flags(None, "1:100,8:90,32:60", 0.2, 30.0)
 DAY = Workload(requests_per_day=2000, prompt_tokens=200, output_tokens=300)
-MIXED = "modal-h100,runpod-flex-h100,runpod-active-h100,together-llama-3.1-8b,replicate-meta-llama-3-8b-instruct"
+MIXED = (
+    "modal-h100,runpod-flex-h100,runpod-active-h100,together-llama-3.1-8b,replicate-meta-llama-3-8b-instruct"
+)
 
 
 def _rows(n: int, entries: str = MIXED, overhead: float = 0.0, ov: Overrides | None = None) -> dict:
@@ -49,7 +51,9 @@ def test_per_token_bills_do_not_depend_on_deployments() -> None:
     rows = _rows(7)
     for entry in ("together-llama-3.1-8b", "replicate-meta-llama-3-8b-instruct"):
         assert rows[entry].mode == "per-token"
-        assert rows[entry].separate.cost_per_month == pytest.approx(rows[entry].shared.cost_per_month, rel=1e-12)
+        assert rows[entry].separate.cost_per_month == pytest.approx(
+            rows[entry].shared.cost_per_month, rel=1e-12
+        )
 
 
 def test_minimum_containers_are_paid_once_per_deployment() -> None:
