@@ -92,6 +92,7 @@ def render_text(an: Analysis, console: Console) -> None:
         for line in an.snapshot:
             console.print(f"  {line}", highlight=False)
     if an.fine_tunes is not None:
+        console.print(f"[bold]{fine_tunes_heading(an.fine_tunes)}[/bold]", highlight=False)
         console.print(fine_tunes_table(an.fine_tunes))
     if an.advice:
         console.print("[bold]Advice[/bold]")
@@ -103,14 +104,19 @@ def _p95(r: ModeResult) -> str:
     return "-" if r.ttft is None else f"{r.ttft.p95:.2f}"
 
 
-def fine_tunes_table(ft: FineTunes) -> Table:
+def fine_tunes_heading(ft: FineTunes) -> str:
     n, overhead = ft.plan.fine_tunes, ft.plan.overhead
-    assumed = ", none assumed: give --lora-overhead" if overhead == 0 else ""
-    table = Table(
-        title=f"{n} fine-tunes: one deployment serving {n} LoRA adapters (overhead {overhead:.0%} per token"
-        f"{assumed}) against {n} deployments of {ft.requests_per_day_each:,.4g} requests/day each, per month",
-        title_justify="left",
+    assumed = " (none assumed: give --lora-overhead)" if overhead == 0 else ""
+    return (
+        f"{n} fine-tunes: one deployment serving {n} LoRA adapters, LoRA overhead {overhead:.0%} per token"
+        f"{assumed}, against {n} deployments of {ft.requests_per_day_each:,.4g} requests/day each"
     )
+
+
+def fine_tunes_table(ft: FineTunes) -> Table:
+    n = ft.plan.fine_tunes
+    title = "$/month, starts/day and p95 TTFT: one deployment / N deployments"
+    table = Table(title=title, title_justify="left")
     for col in ("entry", "mode", "one deployment", f"{n} deployments", "saving", "starts/day", "p95 TTFT s"):
         table.add_column(col, justify="left" if col in ("entry", "mode") else "right")
     for row in sorted(ft.rows, key=lambda r: -r.saving_per_month):

@@ -95,6 +95,6 @@ def test_cli_shows_both_sides_and_the_saving(capsys: pytest.CaptureFixture[str])
     assert rows["modal-h100"]["working"][0].startswith("each of 4 deployments: simulated")
     assert main([*argv, "--fine-tunes", "4", "--lora-overhead", "0.2"]) == 0
     out = capsys.readouterr().out
-    assert "4 fine-tunes: one deployment serving 4 LoRA adapters (overhead 20% per token)" in out
+    assert "4 fine-tunes: one deployment serving 4 LoRA adapters, LoRA overhead 20% per token, against" in out
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fine_tunes"] is None
