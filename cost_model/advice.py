@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from cost_model.billing import ModeResult, Overrides, resolve_rules
 from cost_model.catalogue import Catalogue, Entry
 from cost_model.estimate import evaluate, simulate
+from cost_model.queueing import Rules
 from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
@@ -38,6 +39,11 @@ class Candidate:
     entry: Entry
     overrides: Overrides
     result: ModeResult
+    rules: Rules  # the settings in force: overrides resolved against the platform's defaults
+
+
+def _candidate(cat: Catalogue, s: ServiceProfile, e: Entry, o: Overrides, r: ModeResult) -> Candidate:
+    return Candidate(e, o, r, resolve_rules(cat.rules_for(e), s, o))
 
 
 def _concurrency_choices(s: ServiceProfile, flat_ok: bool, current: int) -> list[int]:
@@ -60,11 +66,13 @@ def _settings(cat: Catalogue, e: Entry, s: ServiceProfile, ov: Overrides, flat_o
 
 
 def _label(c: Candidate) -> str:
+    # From the resolved rules, not the overrides: a table row keeps the user's overrides, where a
+    # setting left to the platform is None (e.g. no --scaledown-window), yet it is in force.
+    r = c.rules
     if c.result.mode == "reserved":
-        return f"{c.entry.id}, concurrency {c.overrides.concurrency}"
-    o = c.overrides
+        return f"{c.entry.id}, concurrency {r.concurrency}"
     return (
-        f"{c.entry.id}, concurrency {o.concurrency}, window {o.window_s:g} s, min containers {o.min_containers}"
+        f"{c.entry.id}, concurrency {r.concurrency}, window {r.window_s:g} s, min containers {r.min_containers}"
     )
 
 
@@ -85,7 +93,7 @@ def _search(
     flat_ok: bool,
     target: float,
 ) -> tuple[list[Candidate], Candidate | None]:
-    seen = [Candidate(e, ov, r) for e, r in gpu_rows]
+    seen = [_candidate(cat, s, e, ov, r) for e, r in gpu_rows]
     ranked = sorted(
         (
             (evaluate(cat, e, w, s, o).cost_per_month, e, o)
@@ -102,7 +110,7 @@ def _search(
             for c in seen
         ):
             break
-        seen.append(Candidate(e, o, simulate(cat, e, w, s, o)))
+        seen.append(_candidate(cat, s, e, o, simulate(cat, e, w, s, o)))
         budget -= 1
     meeting = [c for c in seen if c.result.ttft and c.result.ttft.p95 <= target]
     best = min(meeting, key=lambda c: (c.result.cost_per_month, c.result.ttft.p95), default=None)  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ from cost_model.billing import ModeResult, Overrides
 from cost_model.breakeven import BreakEven, crossings
 from cost_model.catalogue import Catalogue, Entry
 from cost_model.estimate import evaluate_all, monthly_cost, simulate
+from cost_model.finetunes import FineTunes, LoraPlan, compare
 from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
@@ -27,6 +28,7 @@ class Analysis:
     p95_target_s: float
     notes: list[str]
     snapshot: list[str]
+    fine_tunes: FineTunes | None = None  # --fine-tunes N: one LoRA deployment against N deployments
 
 
 def representatives(entries: list[Entry], results: list[ModeResult]) -> dict[str, Entry]:
@@ -90,6 +92,7 @@ def analyse(
     p95_target_s: float,
     flat_ok: bool = False,
     snapshot_start_s: float | None = None,
+    lora: LoraPlan | None = None,
 ) -> Analysis:
     results = evaluate_all(cat, entries, w, s, ov)
     rows = list(zip(entries, results, strict=True))
@@ -105,4 +108,5 @@ def analyse(
         p95_target_s,
         notes,
         snapshot_savings(cat, rows, w, s, ov, snapshot_start_s),
+        None if lora is None else compare(cat, entries, w, s, ov, lora),
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_model.errors import CostModelError
+from cost_model.inputfile import read_text
 from cost_model.service import ServiceProfile, ThroughputPoint
 
 PREFERRED_TARGET = "bundle"
@@ -75,11 +76,10 @@ def profile_from_bench(data: dict[str, Any]) -> tuple[ServiceProfile, float | No
 
 
 def load_bench(path: Path) -> tuple[ServiceProfile, float | None]:
+    text = read_text(path, "benchmark")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CostModelError(f"benchmark file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise CostModelError(f"cannot read benchmark file {path}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise CostModelError(f"malformed benchmark JSON {path}: top level must be an object")

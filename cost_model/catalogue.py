@@ -10,10 +10,16 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cost_model.errors import CostModelError
+from cost_model.inputfile import read_text
+from cost_model.limits import BOUNDS
 
 PACKAGED = "data/catalogue.json"
 NonNegative = Annotated[float, Field(ge=0, le=1e6)]  # bounded: prices and windows, never inf
 Positive = Annotated[float, Field(gt=0, le=1e6)]
+# The command line's bounds hold for a catalogue file too: an unbounded minimum or concurrency
+# would size the simulation's pool (10^9 minimum containers never finishes).
+MinContainers = Annotated[int, Field(ge=0, le=int(BOUNDS["min-containers"][1]))]
+Concurrency = Annotated[int, Field(ge=1, le=int(BOUNDS["concurrency"][1]))]
 
 
 class BillingRules(BaseModel):
@@ -24,8 +30,8 @@ class BillingRules(BaseModel):
     bills_setup: bool
     bills_idle: bool
     scaledown_window_s: NonNegative
-    min_containers: Annotated[int, Field(ge=0)] = 0
-    concurrency_per_replica: Annotated[int, Field(ge=1)] = 1
+    min_containers: MinContainers = 0
+    concurrency_per_replica: Concurrency = 1
     cpu_usd_per_core_second: NonNegative = 0.0
     memory_usd_per_gib_second: NonNegative = 0.0
     source: str = ""
@@ -88,6 +94,19 @@ class Catalogue(BaseModel):
                 return item
         raise CostModelError(f"unknown catalogue entry '{entry_id}' (see: python -m cost_model catalogue)")
 
+    def pick(self, text: str) -> list[Entry]:
+        """Entries named in a comma-separated list: at least one, each known, none twice."""
+        names = [n.strip() for n in text.split(",") if n.strip()]  # a trailing comma is harmless
+        if not names:
+            raise CostModelError("--entries needs at least one catalogue id, e.g. --entries modal-h100")
+        known = [e.id for e in self.entries]
+        for i, name in enumerate(names):
+            if name not in known:
+                raise CostModelError(f"--entries: unknown entry '{name}' (valid: {', '.join(known)})")
+            if name in names[:i]:
+                raise CostModelError(f"--entries names '{name}' twice")
+        return [self.entry(n) for n in names]
+
     def rules_for(self, entry: Entry) -> BillingRules:
         try:
             return self.platforms[entry.platform]
@@ -116,13 +135,12 @@ def _validate(raw: object, origin: str) -> Catalogue:
 
 
 def _read_json(path: Path) -> object:
+    text = read_text(path, "catalogue")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CostModelError(f"catalogue file not found: {path}") from None
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise CostModelError(f"malformed catalogue {path}: invalid JSON at line {exc.lineno}") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise CostModelError(f"cannot read catalogue file {path}: {str(exc).splitlines()[0]}") from None
 
 

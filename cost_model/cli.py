@@ -17,7 +17,8 @@ from cost_model.analysis import analyse
 from cost_model.billing import Overrides
 from cost_model.catalogue import Catalogue, Entry
 from cost_model.errors import CostModelError
-from cost_model.limits import OneLineParser, integer, number
+from cost_model.finetunes import DEFAULT_LORA_OVERHEAD, LoraPlan
+from cost_model.limits import BOUNDS, OneLineParser, integer, number
 from cost_model.profile import build_service
 from cost_model.report import render_json, render_text
 from cost_model.scenarios import SCENARIOS, notes_for, scenario
@@ -167,6 +168,23 @@ def _platform_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=integer("seed"), default=17, help="simulation seed (default 17)")
 
 
+def _fine_tune_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "fine-tunes (LoRA)",
+        "Price N fine-tunes of the model two ways: one deployment serving them all as LoRA adapters "
+        "(the sum of the traffic, one set of start-ups, idle windows and minimum containers) against N "
+        "deployments, each with 1/N of the traffic and its own. The request rate is the total.",
+    )
+    g.add_argument("--fine-tunes", type=integer("fine-tunes"), metavar="N", help="number of fine-tunes")
+    g.add_argument(
+        "--lora-overhead",
+        type=number("lora-overhead"),
+        metavar="F",
+        help="extra time per token when serving adapters, 0.1 = 10%% slower "
+        f"(default {DEFAULT_LORA_OVERHEAD:g}: not measured yet, so none is assumed; give your measurement)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m cost_model",
@@ -186,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(est)
     _service_args(est)
     _platform_args(est)
+    _fine_tune_args(est)
     out = est.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw $/month against request rate")
@@ -319,7 +338,7 @@ def make_catalogue(v: dict[str, Any]) -> tuple[Catalogue, list[str]]:
     if v.get("catalogue") is not None:
         cat = catmod.load_override(v["catalogue"], cat)
     custom = _custom_entries(v)
-    if custom and v["platform"] not in cat.platforms:
+    if v["platform"] not in cat.platforms:
         raise CostModelError(
             f"unknown --platform '{v['platform']}' (known: {', '.join(sorted(cat.platforms))})"
         )
@@ -328,9 +347,22 @@ def make_catalogue(v: dict[str, Any]) -> tuple[Catalogue, list[str]]:
     return cat, [raw["id"] for raw in custom]
 
 
+# Each GPU row is simulated (up to ~0.3 s, more with the advice and --fine-tunes); the packaged
+# catalogue selects about a dozen rows for one GPU, so 100 leaves room for a user's own catalogue while
+# an estimate still ends in about a minute, not hours.
+MAX_ROWS = 100
+
+
 def select_entries(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> list[Entry]:
-    if v.get("entries"):
-        return [cat.entry(e.strip()) for e in v["entries"].split(",") if e.strip()]
+    chosen = _choose(cat, v, custom_ids)
+    if len(chosen) > MAX_ROWS:
+        raise CostModelError(f"{len(chosen)} entries selected, at most {MAX_ROWS}: narrow them with --entries")
+    return chosen
+
+
+def _choose(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> list[Entry]:
+    if v.get("entries") is not None:  # "" is a list of no entries (refused), not "every entry"
+        return cat.pick(v["entries"])
     if v["gpu"] not in cat.gpus():
         raise CostModelError(f"unknown GPU '{v['gpu']}' (known: {', '.join(cat.gpus())})")
     size = v["model_params_b"]
@@ -350,11 +382,37 @@ def select_entries(cat: Catalogue, v: dict[str, Any], custom_ids: list[str]) -> 
     ]
 
 
+def _lora_plan(v: dict[str, Any], w: Workload) -> LoraPlan | None:
+    if v.get("fine_tunes") is None:
+        if v.get("lora_overhead") is not None:
+            raise CostModelError("--lora-overhead needs --fine-tunes N")
+        return None
+    each, floor = w.requests_per_day / v["fine_tunes"], BOUNDS["requests-per-day"][0]
+    if each < floor:  # the same floor as one deployment's rate: below it the simulation sees no request
+        raise CostModelError(
+            f"--fine-tunes {v['fine_tunes']} leaves {each:.3g} requests/day per deployment, below {floor:g}"
+        )
+    overhead = v.get("lora_overhead")
+    return LoraPlan(v["fine_tunes"], DEFAULT_LORA_OVERHEAD if overhead is None else overhead)
+
+
+def check_options(v: dict[str, Any]) -> None:
+    """What no other step checks before the computing starts."""
+    if v.get("startup_path") is not None and v.get("startup") is None:
+        raise CostModelError("--startup-path needs --startup FILE")
+    if v.get("plot") is not None:
+        from cost_model.plot import check_plot_path
+
+        check_plot_path(v["plot"])
+
+
 def run_estimate(args: argparse.Namespace, console: Console) -> None:
     v = _fill(args)
     if args.cold_start is not None:
         v["_cold_source"] = "--cold-start"
+    check_options(v)
     workload = make_workload(v)
+    lora = _lora_plan(v, workload)
     service, service_notes, snapshot = build_service(v)
     overrides = make_overrides(v)
     cat, custom_ids = make_catalogue(v)
@@ -370,6 +428,7 @@ def run_estimate(args: argparse.Namespace, console: Console) -> None:
         v["p95_ttft_s"],
         bool(v.get("assume_flat_speed")),
         snapshot,
+        lora,
     )
     if args.json:
         print(render_json(an, inputs_used(v), cat))

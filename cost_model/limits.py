@@ -36,6 +36,9 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "p95-ttft-s": (0.001, 3600.0),
     "seed": (0, 2**31 - 1),
     "model-params-b": (0.01, 10_000.0),
+    # One deployment with a thousand adapters is already far past vLLM's per-batch adapter limits.
+    "fine-tunes": (1, 1000),
+    "lora-overhead": (0.0, 1.0),  # 1.0: every token twice as slow with adapters
 }
 
 

@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from cost_model.analysis import RATE_RANGE, Analysis
 from cost_model.breakeven import log_grid
 from cost_model.catalogue import Catalogue, Entry
+from cost_model.errors import CostModelError
 from cost_model.estimate import monthly_cost
 
 POINTS = 200
+
+
+def plot_formats() -> list[str]:
+    """The file types matplotlib itself says it can write (its canvas' own list, not ours)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def _check_tex(kind: str) -> None:
+    # matplotlib lists pgf, but writes it by running a TeX system (rcParams["pgf.texsystem"]);
+    # without one savefig fails only after everything is computed.
+    if kind != "pgf":
+        return
+    import matplotlib
+
+    tex = matplotlib.rcParams["pgf.texsystem"]
+    if shutil.which(tex) is None:
+        raise CostModelError(f"--plot: matplotlib writes pgf with {tex}, which is not installed")
+
+
+def check_plot_path(path: Path) -> None:
+    """Refuse a plot file that cannot be written, before anything is computed."""
+    formats = plot_formats()
+    kind = path.suffix[1:].lower()  # matplotlib picks the format from the lower-cased suffix
+    if kind not in formats:
+        raise CostModelError(
+            f"--plot {path}: unknown format '{kind or '(no suffix)'}' (matplotlib writes: {', '.join(formats)})"
+        )
+    _check_tex(kind)
+    parent = path.parent
+    if path.is_dir():
+        raise CostModelError(f"--plot {path}: is a directory")
+    if not parent.is_dir():
+        raise CostModelError(f"--plot {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CostModelError(f"--plot {path}: folder {parent} is not writable")
 
 
 def write_plot(path: Path, cat: Catalogue, entries: list[Entry], an: Analysis) -> None:
@@ -47,9 +87,7 @@ def write_plot(path: Path, cat: Catalogue, entries: list[Entry], an: Analysis) -
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
-    except OSError as exc:
-        from cost_model.errors import CostModelError
-
-        raise CostModelError(f"cannot write plot {path}: {exc}") from None
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a helper program matplotlib runs failed
+        raise CostModelError(f"cannot write plot {path}: {str(exc).splitlines()[0]}") from None
     finally:
         plt.close(fig)

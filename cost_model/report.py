@@ -11,6 +11,7 @@ from rich.table import Table
 from cost_model.analysis import Analysis
 from cost_model.billing import ModeResult
 from cost_model.catalogue import Catalogue
+from cost_model.finetunes import FineTunes
 
 JSON_SCHEMA = "cost-estimate/2"
 COLUMNS = (
@@ -90,10 +91,71 @@ def render_text(an: Analysis, console: Console) -> None:
         console.print("[bold]GPU snapshots instead of cold starts, per month[/bold]")
         for line in an.snapshot:
             console.print(f"  {line}", highlight=False)
+    if an.fine_tunes is not None:
+        console.print(f"[bold]{fine_tunes_heading(an.fine_tunes)}[/bold]", highlight=False)
+        console.print(fine_tunes_table(an.fine_tunes))
     if an.advice:
         console.print("[bold]Advice[/bold]")
         for tip in an.advice:
             console.print(f"  {tip.setting}: {tip.value} - {tip.reason}", highlight=False)
+
+
+def _p95(r: ModeResult) -> str:
+    return "-" if r.ttft is None else f"{r.ttft.p95:.2f}"
+
+
+def fine_tunes_heading(ft: FineTunes) -> str:
+    n, overhead = ft.plan.fine_tunes, ft.plan.overhead
+    assumed = " (none assumed: give --lora-overhead)" if overhead == 0 else ""
+    return (
+        f"{n} fine-tunes: one deployment serving {n} LoRA adapters, LoRA overhead {overhead:.0%} per token"
+        f"{assumed}, against {n} deployments of {ft.requests_per_day_each:,.4g} requests/day each"
+    )
+
+
+def fine_tunes_table(ft: FineTunes) -> Table:
+    n = ft.plan.fine_tunes
+    title = "$/month, starts/day and p95 TTFT: one deployment / N deployments"
+    table = Table(title=title, title_justify="left")
+    for col in ("entry", "mode", "one deployment", f"{n} deployments", "saving", "starts/day", "p95 TTFT s"):
+        table.add_column(col, justify="left" if col in ("entry", "mode") else "right")
+    for row in sorted(ft.rows, key=lambda r: -r.saving_per_month):
+        one, many = row.shared, row.separate
+        table.add_row(
+            row.entry,
+            row.mode,
+            _money(one.cost_per_month),
+            _money(many.cost_per_month),
+            _money(row.saving_per_month) if row.saving_per_month >= 0 else f"-{_money(-row.saving_per_month)}",
+            f"{_opt(one.cold_starts_per_day, ',.1f')} / {_opt(many.cold_starts_per_day, ',.1f')}",
+            f"{_p95(one)} / {_p95(many)}",
+        )
+    return table
+
+
+def _fine_tunes_dict(ft: FineTunes | None) -> dict[str, Any] | None:
+    if ft is None:
+        return None
+    return {
+        "fine_tunes": ft.plan.fine_tunes,
+        "lora_overhead": ft.plan.overhead,
+        "requests_per_day_each": ft.requests_per_day_each,
+        "rows": [
+            {
+                "entry": r.entry,
+                "mode": r.mode,
+                "one_deployment_cost_per_month": r.shared.cost_per_month,
+                "n_deployments_cost_per_month": r.separate.cost_per_month,
+                "saving_per_month": r.saving_per_month,
+                "one_deployment_starts_per_day": r.shared.cold_starts_per_day,
+                "n_deployments_starts_per_day": r.separate.cold_starts_per_day,
+                "one_deployment_ttft_s": _latency(r.shared.ttft),
+                "n_deployments_ttft_s": _latency(r.separate.ttft),
+                "working": list(r.separate.working),
+            }
+            for r in ft.rows
+        ],
+    }
 
 
 def _latency(lat: Any) -> dict[str, float] | None:
@@ -146,6 +208,7 @@ def to_dict(an: Analysis, inputs: dict[str, Any], cat: Catalogue) -> dict[str, A
         "break_evens": [be.__dict__ for be in an.break_evens],
         "snapshot": an.snapshot,
         "advice": [t.__dict__ for t in an.advice],
+        "fine_tunes": _fine_tunes_dict(an.fine_tunes),
         "notes": an.notes,
     }
 

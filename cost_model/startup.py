@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_model.errors import CostModelError
+from cost_model.inputfile import read_text
 
 SCHEMA = "bundle-startup/1"
 SNAPSHOT_PATH = "wake"  # process already up, engine woken: the part of a snapshot restore we measure
@@ -71,10 +72,9 @@ def parse_startup(data: Any, origin: str) -> StartupPaths:
 
 
 def load_startup(path: Path) -> StartupPaths:
+    text = read_text(path, "start-up")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CostModelError(f"start-up file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise CostModelError(f"cannot read start-up file {path}: {str(exc).splitlines()[0]}") from None
     return parse_startup(data, str(path))

@@ -51,7 +51,7 @@ CASES: list[tuple[str, list[str], str | None, str]] = [
     ("billed without active", ["--billed", "idle"], None, "--billed"),
     ("p95 target zero", ["--p95-ttft-s", "0"], None, "within"),
     ("unknown GPU", ["--gpu", "Z80"], None, "unknown GPU"),
-    ("unknown entry", ["--entries", "nope"], None, "unknown catalogue entry"),
+    ("unknown entry", ["--entries", "nope"], None, "unknown entry 'nope'"),
     ("bench missing", ["--bench", "{missing}"], None, "not found"),
     ("bench not JSON", ["--bench", "{file}"], "{not json", "cannot read benchmark"),
     ("bench wrong shape", ["--bench", "{file}"], '{"targets": {"bundle": {}}}', "malformed benchmark"),
@@ -87,6 +87,30 @@ CASES: list[tuple[str, list[str], str | None, str]] = [
     ("catalogue platforms a list", ["--catalogue", "{file}"], '{"platforms": []}', "must be an object"),
     ("seed negative", ["--seed", "-1"], None, "within"),
     ("unknown flag", ["--frobnicate"], None, "unrecognized"),
+    # Issue 27: each of these computed first and failed after, or never ended, or ran everything.
+    ("entries empty", ["--entries", ""], None, "at least one catalogue id"),
+    (
+        "entries one unknown",
+        ["--entries", "modal-a100-80gb,nope"],
+        None,
+        "unknown entry 'nope' (valid: modal-h100",
+    ),
+    ("plot format unknown", ["--plot", "{file}.xyz"], None, "unknown format 'xyz' (matplotlib writes: "),
+    ("plot folder missing", ["--plot", "{missing}/p.png"], None, "does not exist"),
+    ("bench /dev/zero", ["--bench", "/dev/zero"], None, "not a regular file"),
+    ("catalogue a directory", ["--catalogue", "{dir}"], None, "it is a directory"),
+    ("startup not UTF-8", ["--startup", "{file}"], "\udcff", "not UTF-8"),
+    (
+        "catalogue min containers huge",
+        ["--catalogue", "{file}"],
+        '{"platforms": {"modal": {"bills_setup": true, "bills_idle": true, "scaledown_window_s": 60, '
+        '"min_containers": 1000000000}}}',
+        "min_containers",
+    ),
+    ("startup path without file", ["--startup-path", "eager"], None, "needs --startup"),
+    ("fine-tunes zero", ["--fine-tunes", "0"], None, "within"),
+    ("fine-tunes share too small", ["--fine-tunes", "1000", "--requests-per-day", "5"], None, "per deployment"),
+    ("LoRA overhead alone", ["--lora-overhead", "0.1"], None, "needs --fine-tunes"),
 ]
 
 
@@ -101,9 +125,10 @@ def test_bad_input_one_line_exit_2(
 ) -> None:
     f = tmp_path / "input.json"
     if content is not None:
-        f.write_text(content)
+        f.write_text(content, errors="surrogateescape")  # "\udcff": the lone byte 0xff, not UTF-8
     fixture = str(Path(__file__).parent / "cost_model_fixtures" / "startup_small.json")
-    argv = [a.format(file=f, missing=tmp_path / "missing.json", fixture=fixture) for a in BASE + extra]
+    names = {"file": f, "missing": tmp_path / "missing.json", "fixture": fixture, "dir": tmp_path}
+    argv = [a.format(**names) for a in BASE + extra]
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, label
