@@ -29,6 +29,7 @@ import orjson
 
 from shared.errors import BundleError, Cancelled, EngineUnavailable, InvalidRequest
 from shared.protocol import (
+    MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
     PENALTY_RANGE,
     REQUEST_ID_MAX_LENGTH,
@@ -107,6 +108,22 @@ def split_stop_sequences(value: str | Sequence[str] | None) -> list[str] | None:
     return stops or None
 
 
+def _checked_stops(stops: list[str] | None) -> list[str] | None:
+    """The protocol's limits, said in the Cog input's terms (pydantic's own message for a list
+    in a str-or-list field names the str branch, which helps nobody)."""
+    if stops and len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(
+            f"stop_sequences takes up to {MAX_STOP_SEQUENCES} strings, got {len(stops)}", param="stop_sequences"
+        )
+    for stop in stops or ():
+        if len(stop) > MAX_STOP_LENGTH:
+            raise InvalidRequest(
+                f"stop_sequences: each stop is at most {MAX_STOP_LENGTH} characters, one has {len(stop)}",
+                param="stop_sequences",
+            )
+    return stops
+
+
 def _json_strings(text: str) -> list[str] | None:
     if not text.lstrip().startswith("["):
         return None
@@ -167,7 +184,7 @@ def request_from_inputs(
         "top_k": top_k or None,  # Cog inputs need a number; 0 is "off" like vLLM's own 0/-1
         "presence_penalty": presence_penalty,
         "frequency_penalty": frequency_penalty,
-        "stop": split_stop_sequences(stop_sequences),
+        "stop": _checked_stops(split_stop_sequences(stop_sequences)),
         "seed": seed,
         "stream": False,
     }
@@ -243,9 +260,10 @@ def cog_param(param: str | None, *, template: bool) -> str | None:
 def to_cog_error(exc: BundleError, *, template: bool = False) -> BundleError:
     """The same error, its message and `param` speaking of Cog inputs (changed in place: the
     class and code stay, so coglet reports the same kind of failure)."""
-    message = _CORE_NAME.sub(lambda match: _COG_NAMES[match.group(1)], exc.message)
-    if exc.param is not None and message.startswith(f"{exc.param}:"):
+    message = exc.message
+    if exc.param is not None and message.startswith(f"{exc.param}:"):  # "stop.0: ..." (pydantic's)
         message = f"{cog_param(exc.param, template=template)}:{message[len(exc.param) + 1 :]}"
+    message = _CORE_NAME.sub(lambda match: _COG_NAMES[match.group(1)], message)
     exc.message, exc.args = message, (message,)
     exc.param = cog_param(exc.param, template=template)
     return exc
