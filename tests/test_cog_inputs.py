@@ -264,8 +264,8 @@ def test_after_engine_death_nothing_runs_and_new_predictions_say_it_was_already_
         time.sleep(0.5)
     after = predict(cog_server, prompt="hi", max_tokens=5)
     assert after["status"] == "failed"
-    assert "already died before this prediction started" in after["error"], after["error"]
     assert after["metrics"]["engine_running_requests"] == 0, after["metrics"]
+    assert "already died before this prediction started" in after["error"], after["error"]
     # The stats file the core publishes says the same (vLLM's own count, read after death).
     time.sleep(0.3)
     assert cog_server.engine_running_requests() == 0
