@@ -47,6 +47,7 @@ class Runner(BaseRunner):
         # propagates: coglet reports SETUP_FAILED and never serves a prediction.
         # COG_WEIGHTS may be a URL of a .tar to download and unpack (minutes for a real model):
         # in a thread, so coglet's loop stays free meanwhile.
+        bridge.send_core_logs_to_stderr()  # the download's progress reaches the setup log
         settings = await asyncio.to_thread(bridge.runner_settings, weights)
         self._stack = contextlib.AsyncExitStack()
         engine = await self._stack.enter_async_context(open_engine(settings))

@@ -74,6 +74,19 @@ TOP_K_MAX = 1_000_000  # the protocol has no upper bound (any vocabulary); Cog's
 PROMPT_TEMPLATE_FIELDS = ("prompt", "system_prompt")
 
 
+def send_core_logs_to_stderr(level: str | None = None) -> None:
+    """Let the core's own log lines (the weights download's progress, above all) reach the
+    setup log: coglet forwards what its worker writes to stderr, but nothing in the worker
+    configures Python's logging, so INFO lines would be dropped. Idempotent."""
+    logger = logging.getLogger("shared")
+    if not any(getattr(handler, "bundle_cog", False) for handler in logger.handlers):
+        handler = logging.StreamHandler()  # stderr
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.bundle_cog = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel((level or Settings().log_level).upper())
+
+
 def runner_settings(weights: str | None, base: Settings | None = None) -> Settings:
     """The bundle's settings for the Cog runner; the model taken from Cog's weights if given.
 

@@ -95,7 +95,7 @@ def fetch_weights(
         download(client, remote, archive, parts=parts, min_part_bytes=min_part_bytes)
     log.info("weights: downloaded %.1f MiB in %.1f s", archive.stat().st_size / MIB, time.monotonic() - started)
     try:
-        unpacked = unpack(archive, entry / "unpacking", url)
+        unpacked = unpack(archive, entry / "files", url)
     finally:
         archive.unlink(missing_ok=True)  # the unpacked copy is what is kept: not twice the disk
     model = model_folder(unpacked, url)
