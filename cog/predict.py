@@ -45,7 +45,10 @@ class Runner(BaseRunner):
     async def setup(self, weights: str | None = None) -> None:
         # Runs on coglet's shared loop, so the engine's output handler does too. A failure here
         # propagates: coglet reports SETUP_FAILED and never serves a prediction.
-        settings = bridge.runner_settings(weights)
+        # COG_WEIGHTS may be a URL of a .tar to download and unpack (minutes for a real model):
+        # in a thread, so coglet's loop stays free meanwhile.
+        bridge.send_core_logs_to_stderr()  # the download's progress reaches the setup log
+        settings = await asyncio.to_thread(bridge.runner_settings, weights)
         self._stack = contextlib.AsyncExitStack()
         engine = await self._stack.enter_async_context(open_engine(settings))
         self.service = Service(settings, engine)
@@ -63,29 +66,57 @@ class Runner(BaseRunner):
     @cog.concurrent(max=32)  # a literal: `cog build` reads it from the source; = cog.yaml's
     async def run(
         self,
+        # Names, defaults and order follow Replicate's LLM models (cog-vllm, the official Llama
+        # ones); json_schema, tools and request_id are this bundle's own.
         prompt: str = Input(description="The user message.", min_length=1),
+        # Replicate's Llama models default to "You are a helpful assistant"; empty here because
+        # a default system message changes every answer, and some models' chat templates
+        # refuse a system role (every prediction would fail).
         system_prompt: str = Input(default="", description="System message; empty for none."),
         max_tokens: int = Input(
             default=bridge.DEFAULT_MAX_TOKENS,
             ge=1,
             le=bridge.MAX_TOKENS_LIMIT,
-            description="Most tokens to generate.",
+            description="Most tokens to generate. Left at the default, it shrinks to what the "
+            "context leaves after a long prompt.",
+        ),
+        min_tokens: int = Input(
+            default=0,
+            ge=0,
+            le=bridge.MAX_TOKENS_LIMIT,
+            description="Fewest tokens to generate: the end of text and stop sequences are "
+            "ignored before that.",
         ),
         temperature: float = Input(
-            default=1.0,
+            default=bridge.DEFAULT_TEMPERATURE,
             ge=bridge.TEMPERATURE_RANGE[0],
             le=bridge.TEMPERATURE_RANGE[1],
             description="0 is greedy.",
         ),
         top_p: float = Input(
-            default=1.0, ge=bridge.TOP_P_MIN, le=1.0, description="Nucleus sampling mass, above 0."
+            default=bridge.DEFAULT_TOP_P,
+            ge=bridge.TOP_P_MIN,
+            le=1.0,
+            description="Nucleus sampling mass, above 0.",
         ),
-        top_k: int = Input(default=0, ge=0, le=bridge.TOP_K_MAX, description="0 disables."),
+        top_k: int = Input(
+            default=bridge.DEFAULT_TOP_K,
+            ge=0,
+            le=bridge.TOP_K_MAX,
+            description="Most likely tokens kept; 0 disables.",
+        ),
         presence_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
         frequency_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
         stop_sequences: str = Input(
             default="",
-            description=f"Comma-separated strings that end the generation (up to {bridge.MAX_STOP_SEQUENCES}).",
+            description="Strings that end the generation (up to "
+            f"{bridge.MAX_STOP_SEQUENCES}), whitespace kept: comma-separated, or a JSON list of "
+            'strings such as ["\\n", " User:"] when a stop holds a comma.',
+        ),
+        prompt_template: str = Input(
+            default="",
+            description="Raw prompt with {prompt} and {system_prompt} filled in, sent to the model "
+            "as it is; empty to use the model's own chat template.",
         ),
         seed: int | None = Input(
             default=None, ge=0, le=bridge.SEED_MAX, description="Omit for random sampling."
@@ -108,13 +139,16 @@ class Runner(BaseRunner):
         ),
     ) -> ConcatenateIterator[str]:
         signal = bridge.current_cancel_signal(under_coglet=coglet.server.active)
+        scope = self.scope  # this prediction's; the generator below ends in coglet's slot thread
         for key, value in bridge.engine_metrics(self.service).items():
-            self.record_metric(key, value)
-        body = bridge.chat_request_from_inputs(
+            scope.record_metric(key, value)
+        body = bridge.request_from_inputs(
             self.service.settings,
             prompt=prompt,
             system_prompt=system_prompt,
+            prompt_template=prompt_template,
             max_tokens=max_tokens,
+            min_tokens=min_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -126,6 +160,8 @@ class Runner(BaseRunner):
             tools=tools,
         )
         # Bad input raises a BundleError here: coglet turns it into a failed prediction.
-        subscription = await bridge.start_chat(self.service, body, request_id)
-        pieces: Iterator[str] = bridge.stream_text(subscription, self.loop, CancelationException, signal)
+        subscription = await bridge.start_generation(self.service, body, request_id)
+        pieces: Iterator[str] = bridge.stream_text(
+            subscription, self.loop, CancelationException, signal, record=scope.record_metric
+        )
         return pieces  # type: ignore[return-value]  # coglet streams a returned sync generator

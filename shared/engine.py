@@ -212,6 +212,8 @@ class VLLMEngine:
 
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         await self._sleeper.wait_awake()
+        if self._llm.errored:  # vLLM would raise EngineDeadError too, read below as "during"
+            raise EngineUnavailable("the engine had already died before this request started")
         top = request.logprobs
         first = True
         try:
@@ -259,6 +261,10 @@ class VLLMEngine:
         return not self._llm.errored
 
     def running_requests(self) -> int:
+        # After the core died nothing runs, but the output processor keeps the states of the
+        # requests it held (vLLM never finishes them): its count would report them for ever.
+        if self._llm.errored:
+            return 0
         # The output processor's count: AsyncLLM itself has `get_num_unfinished_requests` only in
         # newer releases (0.26.0, the H200 build, lacks it and /metrics answered 500 there).
         return int(self._llm.output_processor.get_num_unfinished_requests())

@@ -116,6 +116,15 @@ class StoredError(BundleError):
         self.code = error.get("code")
 
 
+class WeightsUnavailable(BundleError):
+    """Weights named by URL (Cog's COG_WEIGHTS) could not be fetched or unpacked: a setup
+    failure whose message names the URL and what went wrong, never a half-loaded model."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "weights_unavailable"
+
+
 class GenerationFailed(BundleError):
     status_code = 500
     error_type = "server_error"

@@ -27,6 +27,7 @@ from shared.generation import GenerationOutput
 from shared.metrics import Metrics
 from shared.replay import EventsPerWrite
 from shared.settings import Settings
+from shared.streaming import Usage
 
 Producer = Callable[[GenerationOutput, Callable[[], str]], Coroutine[Any, Any, None]]
 
@@ -87,6 +88,11 @@ class Subscription:
             # Runs on normal end, on disconnect (cancellation) and on send failures alike.
             self._metrics.active_streams.dec()
             self.close()
+
+    @property
+    def usage(self) -> Usage:
+        """Prompt and generated token counts so far (final once the generation ended)."""
+        return self._entry.output.usage
 
     def text(self) -> AsyncIterator[str]:
         """The generated text from the start, in pieces as it grows (the Cog runner's view)."""

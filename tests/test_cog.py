@@ -74,7 +74,9 @@ def test_schema_file_matches_runner_signature() -> None:
         "top_k",
         "presence_penalty",
         "frequency_penalty",
+        "min_tokens",
         "stop_sequences",
+        "prompt_template",
         "seed",
         "json_schema",
         "tools",
@@ -103,7 +105,7 @@ def test_inputs_become_a_chat_request() -> None:
         system_prompt="be brief",
         max_tokens=7,
         top_k=0,
-        stop_sequences=" END, ,STOP ",
+        stop_sequences="END,,\nSTOP ",
         seed=3,
     )
     assert body.message_dicts() == [
@@ -113,12 +115,12 @@ def test_inputs_become_a_chat_request() -> None:
     assert (body.max_tokens, body.top_k, body.stop_list, body.seed, body.stream) == (
         7,
         None,
-        ("END", "STOP"),
+        ("END", "\nSTOP "),  # whitespace is stop text (tests/test_cog_inputs.py has more)
         3,
         False,
     )
-    assert bridge.split_stop_sequences(["a", " b "]) == ["a", "b"]
-    with pytest.raises(InvalidRequest, match="stop takes up to 4"):
+    assert bridge.split_stop_sequences(["a", " b "]) == ["a", " b "]
+    with pytest.raises(InvalidRequest, match="stop_sequences takes up to 4"):
         bridge.chat_request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
 
 
@@ -182,7 +184,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
     async def start() -> Any:
         service = Service(Settings(), engine)
         body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
-        subscription = await bridge.start_chat(service, body, None)
+        subscription = await bridge.start_generation(service, body, None)
         while not engine.running:  # the generation reached the engine
             await asyncio.sleep(0)
         return subscription
@@ -667,8 +669,8 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
     async def start_two() -> tuple[Any, Any]:
         service = Service(Settings(), engine)
         body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
-        first = await bridge.start_chat(service, body, "shared-id")
-        second = await bridge.start_chat(service, body, "shared-id")
+        first = await bridge.start_generation(service, body, "shared-id")
+        second = await bridge.start_generation(service, body, "shared-id")
         while not engine.running:
             await asyncio.sleep(0)
         return first, second
@@ -693,7 +695,7 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
         async def start_one() -> Any:
             service = Service(Settings(), engine)
             body = bridge.chat_request_from_inputs(service.settings, prompt="a b", max_tokens=4)
-            return await bridge.start_chat(service, body, "alone")
+            return await bridge.start_generation(service, body, "alone")
 
         alone, its_signal = on_loop(start_one()), bridge.CancelSignal()
         pieces = bridge.stream_text(alone, loop, RuntimeError, its_signal)
