@@ -36,8 +36,8 @@ import coglet
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
-from shared import cog_bridge as bridge
 from shared import child_output
+from shared import cog_bridge as bridge
 from shared.engine import open_engine
 from shared.service import Service
 
