@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +49,12 @@ from shared.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = "cog/predict.py:Runner"
 HEALTH_POLL_S = 0.5
+# vLLM's own start-up phase lines (bench/startup.py parses the same ones), kept from each log so
+# that the two targets' set-up times can be taken apart.
+PHASE_LINE = re.compile(
+    r"(Model loading took|Loading weights took|torch\.compile (?:took|takes)|Graph capturing finished|"
+    r"init engine \(.*\) took)[^\"\n]*"
+)
 CANCEL_AFTER_CHUNKS = 8
 
 
@@ -227,6 +234,7 @@ def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> 
     with coglet(port, args.slots, args.out / "coglet.log", args.out) as process:
         status, setup_s, answer = wait_setup(url, process, args.setup_timeout)
         report: dict[str, Any] = {"status": status, "setup_s": round(setup_s, 2), "slots": args.slots}
+        report["vllm_phases"] = phase_lines(args.out / "coglet.log")
         _log(f"cog: {status} after {setup_s:.1f} s")
         if status != "READY":
             report["health_check"] = answer
@@ -248,7 +256,7 @@ def rehearse_http(
         _log(f"http: healthy after {setup_s:.1f} s")
         send = chat_sender(settings.model_name, args.output_tokens)
         loads = asyncio.run(run_loads(f"http://127.0.0.1:{port}", send, workload, texts, args))
-    return {"setup_s": round(setup_s, 2), **loads}
+    return {"setup_s": round(setup_s, 2), "vllm_phases": phase_lines(args.out / "serve.log"), **loads}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, report)
     _log(f"wrote {args.out / 'cog.json'}")
     return 0
+
+
+def phase_lines(log: Path) -> list[str]:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [found.group(0)[:160] for found in PHASE_LINE.finditer(text)]
 
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:

@@ -45,14 +45,14 @@ def give_forked_children_plain_streams(*, under_coglet: bool) -> bool:
 
 def _plain_streams_in_child() -> None:
     """Runs in the child right after fork, before any of its own code."""
-    replaced = {id(sys.stdout): _fd_stream(1), id(sys.stderr): _fd_stream(2)}
     old_out, old_err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = replaced[id(old_out)], replaced[id(old_err)]
+    sys.stdout, sys.stderr = _fd_stream(1), _fd_stream(2)
     for handler in _stream_handlers():
-        new = replaced.get(id(handler.stream))
-        if new is not None:
-            # Not setStream(): it flushes the old writer, whose reader is not in this process.
-            handler.stream = new
+        # Not setStream(): it flushes the old writer, whose reader is not in this process.
+        if handler.stream is old_out:
+            handler.stream = sys.stdout
+        elif handler.stream is old_err:
+            handler.stream = sys.stderr
     sys.stderr.write(
         f"pid {os.getpid()} forked from coglet's worker (pid {os.getppid()}): "
         "its stdout/stderr go to coglet's log\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -83,3 +84,49 @@ def test_the_hook_is_only_for_coglets_worker() -> None:
     """Outside coglet (the HTTP server, the tests, `make cog-schema`) nothing is registered."""
     assert child_output.give_forked_children_plain_streams(under_coglet=False) is False
     assert child_output._state["installed"] is False
+
+
+CHILD_SCRIPT = """
+import logging, multiprocessing, sys
+from shared import child_output
+
+
+class SlotWriter:  # like coglet's: no __dict__, and its lines never leave a forked child
+    __slots__ = ()
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+sys.stdout, sys.stderr = SlotWriter(), SlotWriter()
+handler = logging.StreamHandler(sys.stdout)
+logging.getLogger("vllm").addHandler(handler)
+assert child_output.give_forked_children_plain_streams(under_coglet=True)
+assert not child_output.give_forked_children_plain_streams(under_coglet=True)  # once
+
+
+def child():
+    sys.stdout.start_new_line = True  # vLLM 0.26's decorate_logs()
+    logging.getLogger("vllm").error("via the handler")
+    print("via print")
+
+
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join()
+sys.exit(process.exitcode)
+"""
+
+
+def test_a_forked_child_gets_streams_on_its_descriptors_and_the_handlers_follow() -> None:
+    """Without coglet: a parent whose streams are coglet-like objects; the child's lines reach
+    the real descriptors 1 and 2, the logging handler's included."""
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["via the handler", "via print"]
+    assert "forked from coglet's worker" in done.stderr
