@@ -228,13 +228,25 @@ def chat_sender(model: str, max_tokens: int) -> Callable[[Any, str], Any]:
 
 
 # --- the two targets ------------------------------------------------------------------------------
+def compile_cache_entries() -> int:
+    """Entries in vLLM's torch.compile cache before coglet starts: its setup time includes the
+    compilation when 0 (the HTTP server, started second, then finds the cache warm)."""
+    root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "torch_compile_cache"
+    return sum(1 for _ in root.iterdir()) if root.is_dir() else 0
+
+
 def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> dict[str, Any]:
     port = free_port()
+    cache_before = compile_cache_entries()
     url = f"http://127.0.0.1:{port}"
     with coglet(port, args.slots, args.out / "coglet.log", args.out) as process:
         status, setup_s, answer = wait_setup(url, process, args.setup_timeout)
         report: dict[str, Any] = {"status": status, "setup_s": round(setup_s, 2), "slots": args.slots}
+        report["compile_cache_entries_before"] = cache_before
         report["vllm_phases"] = phase_lines(args.out / "coglet.log")
+        # shared/child_output.py's line from each child forked in coglet's worker (vLLM's
+        # engine core on GPUs; none on CPU, where vLLM spawns it).
+        report["forked_children"] = _count(args.out / "coglet.log", "forked from coglet's worker")
         _log(f"cog: {status} after {setup_s:.1f} s")
         if status != "READY":
             report["health_check"] = answer
@@ -289,10 +301,20 @@ def phase_lines(log: Path) -> list[str]:
     return [found.group(0)[:160] for found in PHASE_LINE.finditer(text)]
 
 
+def _count(log: Path, text: str) -> int:
+    try:
+        return log.read_text(errors="replace").count(text)
+    except OSError:
+        return 0
+
+
 def _load(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("concurrency", "slots", "rounds", "rate", "open_seconds", "prompt_tokens", "output_tokens", "seed")
     keys += ("retry_409_ms",)
-    return {key: getattr(args, key) for key in keys}
+    # Both servers inherit it (coglet passes its environment to its worker): e.g. "spawn" to
+    # compare against the default fork.
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "vLLM's default")
+    return {**{key: getattr(args, key) for key in keys}, "vllm_worker_multiproc_method": method}
 
 
 def _write(out: Path, report: dict[str, Any]) -> None:

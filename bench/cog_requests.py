@@ -172,9 +172,11 @@ async def cancel_mid_stream(
     the engine's running requests to reach 0."""
     prediction_id = uuid.uuid4().hex
     cancelled_at: list[float] = []
+    before: list[int] = []
 
     async def maybe_cancel(chunks: int) -> None:
         if chunks == after_chunks and not cancelled_at:
+            before.append(await engine_running(client))  # 1 here: the 0 after means something
             cancelled_at.append(time.perf_counter())
             async with client.post(f"/predictions/{prediction_id}/cancel") as r:
                 await r.read()
@@ -190,6 +192,7 @@ async def cancel_mid_stream(
         "chunks_received": len(stream.chunks),
         "max_tokens": inputs["max_tokens"],
         "status": stream.final.get("status"),
+        "engine_running_requests_before": before[0] if before else None,
         "stream_end_after_cancel_s": ended - cancelled_at[0] if cancelled_at else None,
         "engine_running_requests_after": running,
         "engine_idle_after_s": time.perf_counter() - ended if not running else None,
