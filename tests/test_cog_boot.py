@@ -130,3 +130,31 @@ def test_a_forked_child_gets_streams_on_its_descriptors_and_the_handlers_follow(
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["via the handler", "via print"]
     assert "forked from coglet's worker" in done.stderr
+
+
+def test_the_rehearsal_puts_this_interpreter_on_path_as_python(tmp_path: Path) -> None:
+    """coglet starts its worker as `python` from PATH; on the H200 only `python3` exists."""
+    from bench.cog_rehearsal import python_on_path
+
+    env = python_on_path(tmp_path / "bin")
+    shown = subprocess.run(
+        ["python", "-c", "import sys, shared; print(sys.executable); print(shared.__file__)"],
+        env={"PATH": env["PATH"]},  # nothing else: the script carries PYTHONPATH itself
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    assert shown[0] == sys.executable and shown[1].startswith(str(ROOT))
+
+
+def test_the_rehearsal_refuses_bad_counts() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cog_rehearsal", "--out", "/tmp/unused", "--concurrency", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--concurrency must be at least 1" in done.stderr
