@@ -29,6 +29,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -213,6 +214,15 @@ async def cog_checks(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"cancel": cancel, "same_request_id": same}
 
 
+async def cog_token_source(url: str) -> str:
+    """Where the Cog figures' token counts come from: the runner's own count when its
+    predictions report one, else the streamed text encoded again (approximate: decoding then
+    encoding random-token text does not give back the same number of tokens)."""
+    async with load_client(url) as client:
+        stream = await cr.cog_stream(client, {"prompt": "ping", "max_tokens": 2})
+    return "metric output_token_count" if stream.tokens is not None else "text encoded again"
+
+
 def cog_sender(max_tokens: int) -> Callable[[Any, str], Any]:
     def send(client: Any, text: str) -> Any:
         return cr.cog_stream(client, {"prompt": text, "max_tokens": max_tokens, "temperature": 1.0})
@@ -239,14 +249,15 @@ def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> 
     port = free_port()
     cache_before = compile_cache_entries()
     url = f"http://127.0.0.1:{port}"
-    with coglet(port, args.slots, args.out / "coglet.log", args.out) as process:
+    log = args.out / "coglet.log"
+    with tempfile.TemporaryDirectory() as work, coglet(port, args.slots, log, Path(work)) as process:
         status, setup_s, answer = wait_setup(url, process, args.setup_timeout)
         report: dict[str, Any] = {"status": status, "setup_s": round(setup_s, 2), "slots": args.slots}
         report["compile_cache_entries_before"] = cache_before
-        report["vllm_phases"] = phase_lines(args.out / "coglet.log")
+        report["vllm_phases"] = phase_lines(log)
         # shared/child_output.py's line from each child forked in coglet's worker (vLLM's
         # engine core on GPUs; none on CPU, where vLLM spawns it).
-        report["forked_children"] = _count(args.out / "coglet.log", "forked from coglet's worker")
+        report["forked_children"] = _count(log, "forked from coglet's worker")
         _log(f"cog: {status} after {setup_s:.1f} s")
         if status != "READY":
             report["health_check"] = answer
@@ -255,6 +266,7 @@ def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> 
         report.update(asyncio.run(run_loads(url, send, workload, texts, args)))
         report["closed_retry_409"] = asyncio.run(closed_with_retry(url, send, workload, texts, args))
         report.update(asyncio.run(cog_checks(url, args)))
+        report["output_tokens_from"] = asyncio.run(cog_token_source(url))
     return report
 
 
