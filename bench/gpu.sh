@@ -60,6 +60,14 @@
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_17_x86_64 -d .whl modal==1.6.4 synchronicity==0.12.7 grpclib==0.4.9 \
 #        h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+#   the Cog runner (issue 28), one command, ~4-6 min: run(carry=[".whl"], "bash bench/gpu.sh cog")
+#      coglet 0.23.1 serving cog/predict.py:Runner (COG_MAX_CONCURRENCY=32): setup to READY, 1 stream,
+#      32 in a closed loop x3 (409s counted; then again with clients retrying a 409 after 20 ms),
+#      an open loop (BENCH_RATE, default 8/s, 10 s), a cancel mid-stream, one request_id twice;
+#      then shared.serve on the same prompts (512 tokens, max_tokens 256) -> $OUT/cog/cog.json +
+#      coglet.log + serve.log. .whl/cog/ must hold the Cog wheels (pure Python + abi3 coglet):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_17_x86_64 -d .whl/cog cog==0.23.1 coglet==0.23.1 structlog==26.1.0
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -194,6 +202,16 @@ case "$stage" in
     cp -r $out-graphs-256 "${OUT:-/tmp/out}/" 2>/dev/null || true
     cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
     exit 0 ;;
+  cog)
+    # Beside /tmp/site, not in it: the GPU image's packages stay as they are. coglet starts its
+    # worker as `python` from PATH; bench/cog_rehearsal.py puts one there (python3, this PYTHONPATH).
+    [ -d /tmp/cog-site/coglet ] || python3 -m pip install -q --no-index --no-deps --target /tmp/cog-site .whl/cog/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/cog-site
+    status=0
+    python3 -m bench.cog_rehearsal --out bench/gpu-results/cog --concurrency 32 --rounds "$rounds" \
+      --rate "${BENCH_RATE:-8}" --open-seconds 10 --prompt-tokens 512 --output-tokens 256 --machine "$machine" || status=$?
+    mkdir -p "${OUT:-/tmp/out}/cog" && cp bench/gpu-results/cog/cog.json bench/gpu-results/cog/*.log "${OUT:-/tmp/out}/cog/" 2>/dev/null || true
+    exit $status ;;
   sleepwake)
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
@@ -218,6 +236,6 @@ case "$stage" in
     done
     cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

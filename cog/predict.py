@@ -20,6 +20,8 @@ at its first forward pass (the CPU has AMX, which Linux grants per process on re
 coglet's process tree that request evidently fails), while float32 works. The core's tiny model
 is float32 (`shared.engine._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
 
+Forked children (vLLM's engine core on GPUs): see shared/child_output.py.
+
 Settings: coglet 0.23.1 passes its own environment to the worker (measured), so BUNDLE_* work
 locally, and in an image built by `cog build` from cog.yaml's `environment:`.
 """
@@ -34,11 +36,15 @@ import coglet
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
+from shared import child_output
 from shared import cog_bridge as bridge
 from shared.engine import open_engine
 from shared.service import Service
 
 bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
+# Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
+# log (coglet's own stream objects die with fork; why in shared/child_output.py).
+child_output.give_forked_children_plain_streams(under_coglet=coglet.server.active)
 
 
 class Runner(BaseRunner):
