@@ -8,13 +8,14 @@ the engine to the socket without crossing another HTTP hop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.engine_outputs import time_engine_outputs
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
@@ -23,6 +24,9 @@ from shared.settings import Settings
 from shared.structured import OutputConstraint
 from shared.tiny_model import ensure_model
 from shared.tools import ToolCallShaper
+
+if TYPE_CHECKING:
+    from shared.lora import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class SamplingRequest:
     # Tokens per output after the first (the first and the last come at once); None: the
     # engine's own interval. Only an engine with `paces_each_request` honours it.
     stream_interval: int | None = None
+    adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (shared/lora.py); None: the base
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,14 @@ class Engine(Protocol):
         """Undo `sleep`; raises if the engine cannot come back (the caller must not serve then)."""
         ...
 
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load a LoRA adapter for requests that name it; InvalidRequest if it does not fit."""
+        ...
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        """Drop an adapter once the requests running on it have ended."""
+        ...
+
 
 class VLLMEngine:
     """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
@@ -168,6 +181,9 @@ class VLLMEngine:
         self._sleeper = Sleeper(llm, wake_wait_s)
         self.tool_call_parser = tool_call_parser
         self.paces_each_request = takes_request_stream_interval()
+        self.static_adapters: list[Adapter] = []  # BUNDLE_LORA_MODULES, loaded by `open_engine`
+        self._adapter_users: dict[int, int] = {}  # lora id -> generations running on it
+        self._retiring: dict[int, Adapter] = {}  # unloaded while in use: removed when the last ends
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
@@ -214,8 +230,11 @@ class VLLMEngine:
         await self._sleeper.wait_awake()
         top = request.logprobs
         first = True
+        adapter = request.adapter
+        self._adapter_in_use(adapter, +1)
         try:
-            async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
+            lora = _lora_request(adapter)
+            async for output in self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora):
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
                     first = False
@@ -239,6 +258,51 @@ class VLLMEngine:
             if self._llm.errored:
                 raise EngineUnavailable("the engine died during generation") from exc
             raise GenerationFailed(f"generation failed: {type(exc).__name__}") from exc
+        finally:
+            self._adapter_in_use(adapter, -1)
+
+    # --- LoRA adapters ----------------------------------------------------------------------------
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load the adapter into the engine now (vLLM's `add_lora`), so that a bad one fails here
+        with a 400 and not inside a batch. vLLM's own server answers a shape error with a 500;
+        an adapter the server was asked to load and cannot use is the client's error."""
+        if self._llm.vllm_config.lora_config is None:
+            raise InvalidRequest("LoRA is not enabled on this server (BUNDLE_ENABLE_LORA)", code="lora_disabled")
+        try:
+            await self._llm.add_lora(_lora_request(adapter))
+        except Exception as exc:
+            if self._llm.errored:
+                raise EngineUnavailable("the engine died while loading a LoRA adapter") from exc
+            # vLLM 0.32 keeps an adapter whose weights failed to activate in its list (seen:
+            # `list_loras()` still held its id): drop it, or every failed load would leak.
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(adapter.lora_id)
+            raise InvalidRequest(
+                f"adapter {adapter.name!r} cannot be loaded on this model: {exc}"[:1000],
+                param="lora_path",
+                code="invalid_lora_adapter",
+            ) from exc
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        if self._adapter_users.get(adapter.lora_id):
+            # Removed now, vLLM would load it again for the next step of a running request.
+            self._retiring[adapter.lora_id] = adapter
+            return
+        await self._llm.remove_lora(adapter.lora_id)
+
+    def _adapter_in_use(self, adapter: Adapter | None, change: int) -> None:
+        if adapter is None:
+            return
+        users = self._adapter_users.get(adapter.lora_id, 0) + change
+        if users > 0:
+            self._adapter_users[adapter.lora_id] = users
+            return
+        self._adapter_users.pop(adapter.lora_id, None)
+        retired = self._retiring.pop(adapter.lora_id, None)
+        if retired is not None and not self._llm.errored:
+            task = asyncio.get_running_loop().create_task(self._llm.remove_lora(retired.lora_id))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
 
     def _logprobs(self, completion: Any, top: int) -> tuple[TokenLogprob, ...]:
         return tuple(
@@ -327,6 +391,30 @@ class Sleeper:
             raise EngineUnavailable(
                 f"the engine is asleep and did not wake within {self._wake_wait_s:g} s"
             ) from None
+
+
+_background: set[asyncio.Task[Any]] = set()  # tasks kept alive until done (asyncio holds them weakly)
+
+
+def _lora_request(adapter: Adapter | None) -> Any:
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
+
+
+def lora_options(settings: Settings) -> dict[str, Any]:
+    """vLLM's LoRA arguments: every adapter the bundle holds stays in vLLM's host-memory cache
+    (max_cpu_loras), so none is ever evicted and silently reloaded from disk mid-batch."""
+    if not settings.enable_lora:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": settings.max_loras,
+        "max_lora_rank": settings.max_lora_rank,
+        "max_cpu_loras": max(settings.max_loaded_loras, settings.max_loras),
+    }
 
 
 def _finish_reason(vllm_reason: str | None) -> str | None:
@@ -462,6 +550,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         "speculative_config": settings.speculative_config,
         "revision": settings.model_revision,
         **_stream_interval(settings),
+        **lora_options(settings),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
@@ -648,8 +737,11 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
             int(llm.model_config.max_model_len),
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
-        yield VLLMEngine(
-            llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
-        )
+        engine = VLLMEngine(llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser)
+        if settings.enable_lora:
+            from shared.lora import load_static
+
+            engine.static_adapters = await load_static(settings, engine)
+        yield engine
     finally:
         stop_llm(llm)
