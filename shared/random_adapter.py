@@ -29,9 +29,13 @@ def module_shapes(config: dict, module: str) -> tuple[int, int]:
     }[module]
 
 
+def model_config(model_dir: Path) -> dict:
+    return dict(json.loads((model_dir / "config.json").read_text()))
+
+
 def write_adapter(
     out: Path,
-    model_dir: Path,
+    model: Path | dict,
     *,
     rank: int = 8,
     seed: int = 0,
@@ -39,22 +43,24 @@ def write_adapter(
     base: str | None = "tiny",
     dtype: str = "float32",
     widen_by: int = 0,
+    scale: float = WEIGHT_SCALE,
 ) -> Path:
-    """Write a random adapter for the model in `model_dir` into `out` and return `out`.
+    """Write a random adapter for `model` (its directory, or its config as a dict) into `out`
+    and return `out`. `scale` 0 writes an adapter that changes nothing (all zeros).
     `widen_by` > 0 makes every lora_A that much wider than the model's layers: an adapter
     whose shapes do not fit (another model's), for error tests."""
     import torch
     from safetensors.torch import save_file
 
-    config = json.loads((model_dir / "config.json").read_text())
+    config = model if isinstance(model, dict) else model_config(model)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(int(config["num_hidden_layers"])):
         for module in targets:
             features_in, features_out = module_shapes(config, module)
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            a = torch.randn(rank, features_in + widen_by, generator=generator) * WEIGHT_SCALE
-            b = torch.randn(features_out, rank, generator=generator) * WEIGHT_SCALE
+            a = torch.randn(rank, features_in + widen_by, generator=generator) * scale
+            b = torch.randn(features_out, rank, generator=generator) * scale
             tensors[f"{prefix}.lora_A.weight"] = a.to(getattr(torch, dtype)).contiguous()
             tensors[f"{prefix}.lora_B.weight"] = b.to(getattr(torch, dtype)).contiguous()
     out.mkdir(parents=True, exist_ok=True)
