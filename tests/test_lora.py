@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import http.server
 import os
 import tarfile
 import threading
 import time
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -294,8 +294,8 @@ def file_server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Pa
     with tarfile.open(root / "beta.tar.gz", "w:gz") as tar:
         tar.add(adapters["beta"], arcname="beta-adapter")  # wrapped in a folder, as tars often are
     (root / "junk.tar").write_bytes(b"this is not a tar archive")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(root))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
     httpd.shutdown()
