@@ -237,7 +237,8 @@ class VLLMEngine:
         self._adapter_in_use(adapter, +1)
         try:
             lora = _lora_request(adapter) if adapter is not None else self._base_lora
-            async for output in self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora):
+            outputs = self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora)
+            async for output in outputs:
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
                     first = False
@@ -270,7 +271,7 @@ class VLLMEngine:
         with a 400 and not inside a batch. vLLM's own server answers a shape error with a 500;
         an adapter the server was asked to load and cannot use is the client's error."""
         if self._llm.vllm_config.lora_config is None:
-            raise InvalidRequest("LoRA is not enabled on this server (BUNDLE_ENABLE_LORA)", code="lora_disabled")
+            raise InvalidRequest("LoRA is not enabled here (BUNDLE_ENABLE_LORA)", code="lora_disabled")
         try:
             await self._llm.add_lora(_lora_request(adapter))
         except Exception as exc:
@@ -762,7 +763,9 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
             int(llm.model_config.max_model_len),
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
-        engine = VLLMEngine(llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser)
+        engine = VLLMEngine(
+            llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
+        )
         if settings.enable_lora:
             await _start_lora(settings, engine, stack)
         yield engine

@@ -104,7 +104,9 @@ def prepare_adapter(name: str, source: str, lora_id: int, settings: Settings) ->
             param="lora_path",
             code="lora_rank_too_high",
         )
-    if base is not None and not any(same_base(base, served) for served in (settings.model, settings.model_name)):
+    if base is not None and not any(
+        same_base(base, served) for served in (settings.model, settings.model_name)
+    ):
         raise InvalidRequest(
             f"adapter {name!r} was trained on {base!r}, not on the served model {settings.model!r} "
             "(if it is the same model under another name, set BUNDLE_SERVED_MODEL_NAME to that name)",
@@ -163,7 +165,9 @@ class Adapters:
         adapter = self._by_name.get(model)
         if adapter is None:
             served = ", ".join([repr(self.settings.model_name), *map(repr, sorted(self._by_name))])
-            raise ModelNotFound(f"The model {model!r} does not exist; this server serves {served}", param="model")
+            raise ModelNotFound(
+                f"The model {model!r} does not exist; this server serves {served}", param="model"
+            )
         self._last_used[model] = time.monotonic()
         return adapter
 
@@ -204,7 +208,9 @@ class Adapters:
         self._check_runtime()
         adapter = self._by_name.pop(name, None)
         if adapter is None:
-            raise NotFound(f"no LoRA adapter named {name!r} is loaded", param="lora_name", code="lora_not_found")
+            raise NotFound(
+                f"no LoRA adapter named {name!r} is loaded", param="lora_name", code="lora_not_found"
+            )
         self._last_used.pop(name, None)
         self._metrics.forget_model(name)
         await self._engine.remove_adapter(adapter)
@@ -240,7 +246,9 @@ class Adapters:
 
     def _check_runtime(self) -> None:
         if not self.settings.enable_lora:
-            raise InvalidRequest("LoRA is not enabled on this server (BUNDLE_ENABLE_LORA)", code="lora_disabled")
+            raise InvalidRequest(
+                "LoRA is not enabled on this server (BUNDLE_ENABLE_LORA)", code="lora_disabled"
+            )
         if not self.settings.lora_runtime_loading:
             raise InvalidRequest(
                 "runtime adapter loading is off on this server (BUNDLE_LORA_RUNTIME_LOADING)",

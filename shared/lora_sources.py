@@ -98,7 +98,9 @@ def _download(url: str, archive: Path) -> None:
     import httpx
 
     def failed(why: str) -> InvalidRequest:
-        return InvalidRequest(f"adapter {url!r}: download failed: {why}"[:500], param="lora_path", code="lora_download_failed")
+        return InvalidRequest(
+            f"adapter {url!r}: download failed: {why}"[:500], param="lora_path", code="lora_download_failed"
+        )
 
     try:
         with httpx.stream("GET", url, follow_redirects=True, timeout=DOWNLOAD_TIMEOUT_S) as response:
@@ -123,5 +125,7 @@ def _unpack(archive: Path, into: Path, url: str) -> None:
             tar.extractall(into, filter="data")
     except (tarfile.TarError, OSError) as exc:
         raise InvalidRequest(
-            f"adapter {url!r}: not a readable tar archive: {exc}"[:500], param="lora_path", code="lora_download_failed"
+            f"adapter {url!r}: not a readable tar archive: {exc}"[:500],
+            param="lora_path",
+            code="lora_download_failed",
         ) from exc

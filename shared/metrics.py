@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -116,10 +117,8 @@ class Metrics:
     def forget_model(self, model: str) -> None:
         """Drop an unloaded adapter's series (its counts end with it)."""
         for counter in (self.model_requests, self.model_prompt_tokens, self.model_generation_tokens):
-            try:
+            with contextlib.suppress(KeyError):  # never counted
                 counter.remove(model)
-            except KeyError:  # never counted
-                pass
 
     def _add_store_metrics(self, r: CollectorRegistry) -> None:
         """The shared identity store (BUNDLE_REDIS_URL); all zero when it is not configured."""

@@ -112,7 +112,9 @@ class Settings(BaseSettings):
         description="Adapters loaded at start, name -> source (a local directory, a Hugging Face id, "
         'or an http(s) URL of a .tar/.tar.gz): JSON (\'{"sql": "org/sql-lora"}\') or name=source,...',
     )
-    max_loras: int = Field(4, ge=1, description="Most distinct adapters in one engine batch (vLLM's max_loras).")
+    max_loras: int = Field(
+        4, ge=1, description="Most distinct adapters in one engine batch (vLLM's max_loras)."
+    )
     max_lora_rank: int = Field(
         16, ge=1, description="Largest adapter rank (vLLM's max_lora_rank; it takes 1, 8, 16, 32, 64, ...)."
     )

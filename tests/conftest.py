@@ -44,7 +44,9 @@ class LiveServers:
     """Runs apps on one event loop thread, all backed by one engine."""
 
     def __init__(
-        self, engine_factory: Callable[[Settings], Any] = open_engine, engine_settings: Settings = ENGINE_SETTINGS
+        self,
+        engine_factory: Callable[[Settings], Any] = open_engine,
+        engine_settings: Settings = ENGINE_SETTINGS,
     ) -> None:
         self.engine_settings = engine_settings
         self.loop = asyncio.new_event_loop()

@@ -141,7 +141,9 @@ def test_two_adapters_and_the_base_in_one_batch_each_get_their_own_tokens(
         assert len(set(alone.values())) == 3  # three different models
 
         async def together() -> list[tuple[str, str, float, float]]:
-            aclient = openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+            aclient = openai.AsyncOpenAI(
+                base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0, timeout=120
+            )
 
             async def stream(model: str) -> tuple[str, str, float, float]:
                 chunks, first = [], 0.0
@@ -217,8 +219,17 @@ def test_unloading_while_a_stream_runs_lets_it_finish_then_drops_the_adapter(
     server: tuple[str, Service], http: httpx.Client, lora_live: LiveServers, adapters: dict[str, Path]
 ) -> None:
     before = engine_lora_ids(lora_live)
-    assert http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])}).is_success
-    body = {"model": "gamma", "prompt": PROMPT, "max_tokens": 200, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    assert http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])}
+    ).is_success
+    body = {
+        "model": "gamma",
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with http.stream("POST", "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -276,7 +287,9 @@ def test_unknown_names_duplicates_and_the_bound_are_clear_4xx(
     assert base.status_code == 400 and "base model" in error_of(base)["message"]
     # max_loaded_loras is 3 and alpha holds one slot.
     with loaded(http, "beta", adapters["beta"]), loaded(http, "gamma", adapters["gamma"]):
-        full = http.post("/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(adapters["beta"])})
+        full = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(adapters["beta"])}
+        )
         assert full.status_code == 400 and error_of(full)["code"] == "lora_limit_reached"
 
 
@@ -309,7 +322,9 @@ def test_an_adapter_from_a_tar_url_is_downloaded_and_serves_its_tokens(
         from_url = greedy(client, "beta")
     assert from_url != local
     for path, words in (("missing.tar", "HTTP 404"), ("junk.tar", "not a readable tar")):
-        response = http.post("/v1/load_lora_adapter", json={"lora_name": "url", "lora_path": f"{file_server}/{path}"})
+        response = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "url", "lora_path": f"{file_server}/{path}"}
+        )
         assert response.status_code == 400 and error_of(response)["code"] == "lora_download_failed"
         assert words in error_of(response)["message"]
 
