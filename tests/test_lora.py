@@ -350,3 +350,17 @@ def test_lora_modules_take_json_or_name_equals_source_pairs() -> None:
     assert Settings(lora_modules="a=/x, b=org/y").lora_modules == {"a": "/x", "b": "org/y"}
     with pytest.raises(ValueError, match="name=source"):
         Settings(lora_modules="just-a-path")
+
+
+def test_modal_keeps_adapters_on_a_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_modal_app import load_modal_app
+
+    module = load_modal_app(monkeypatch, BUNDLE_ENABLE_LORA="true", BUNDLE_LORA_MODULES="sql=org/sql-lora")
+    info = module.Server._get_class_service_function().info()
+    # The container's settings, rebuilt from its environment only.
+    env = {k.removeprefix("BUNDLE_").lower(): v for k, v in module.CONTAINER_ENV.items() if k.startswith("BUNDLE_")}
+    container = Settings(**env)
+    assert container.enable_lora and container.lora_modules == {"sql": "org/sql-lora"}
+    lora_dir = str(container.lora_dir)
+    assert any(lora_dir.startswith(f"{mount}/") for mount in info.volumes)  # tar URLs unpack there
+    assert module.CONTAINER_ENV["HF_HOME"] in info.volumes  # Hugging Face ids download there
