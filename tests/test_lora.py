@@ -67,10 +67,14 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def lora_live(adapters: dict[str, Path]) -> Iterator[LiveServers]:
+def lora_live(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServers]:
     if os.environ.get(WITHOUT_ENGINE):
         pytest.skip("this run installs no engine (the Makefile's Python 3.12 run)")
-    settings = Settings(**LORA_SETTINGS, lora_modules={"alpha": str(adapters["alpha"])})
+    settings = Settings(
+        **LORA_SETTINGS,
+        lora_modules={"alpha": str(adapters["alpha"])},
+        lora_cache_dir=tmp_path_factory.mktemp("lora-cache"),  # URL adapters unpack here, not in ~/.cache
+    )
     servers = LiveServers(engine_settings=settings)
     yield servers
     servers.close()
@@ -358,9 +362,54 @@ def test_modal_keeps_adapters_on_a_volume(monkeypatch: pytest.MonkeyPatch) -> No
     module = load_modal_app(monkeypatch, BUNDLE_ENABLE_LORA="true", BUNDLE_LORA_MODULES="sql=org/sql-lora")
     info = module.Server._get_class_service_function().info()
     # The container's settings, rebuilt from its environment only.
-    env = {k.removeprefix("BUNDLE_").lower(): v for k, v in module.CONTAINER_ENV.items() if k.startswith("BUNDLE_")}
+    env = {
+        k.removeprefix("BUNDLE_").lower(): v for k, v in module.CONTAINER_ENV.items() if k.startswith("BUNDLE_")
+    }
     container = Settings(**env)
     assert container.enable_lora and container.lora_modules == {"sql": "org/sql-lora"}
     lora_dir = str(container.lora_dir)
     assert any(lora_dir.startswith(f"{mount}/") for mount in info.volumes)  # tar URLs unpack there
     assert module.CONTAINER_ENV["HF_HOME"] in info.volumes  # Hugging Face ids download there
+
+
+def test_replicate_users_run_a_fine_tune_by_url_through_the_real_cog_server(
+    tmp_path: Path, file_server: str
+) -> None:
+    """coglet 0.23.1 serving cog/predict.py with LoRA on: the `lora` input downloads the tar once,
+    its tokens differ from the base's and repeat; a URL that is no adapter fails the prediction."""
+    if os.environ.get(WITHOUT_ENGINE):
+        pytest.skip("this run installs no engine (the Makefile's Python 3.12 run)")
+    from tests.conftest import free_port
+    from tests.test_cog import ROOT, RUNNER_REF, CogServer, _launch, _stop, _wait_ready
+
+    port = free_port()
+    env = {
+        "COG_MAX_CONCURRENCY": "2",
+        "BUNDLE_MAX_MODEL_LEN": "512",
+        "BUNDLE_MAX_NUM_SEQS": "16",
+        "BUNDLE_ENABLE_LORA": "true",
+        "BUNDLE_MAX_LORA_RANK": "8",
+        "BUNDLE_LORA_CACHE_DIR": str(tmp_path / "lora-cache"),
+    }
+    process = _launch(RUNNER_REF, port, tmp_path / "cog.log", ROOT, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(CogServer(url, process, tmp_path / "cog.log", tmp_path / "unused"), timeout=300)
+
+        def predict(lora: str) -> dict[str, Any]:
+            inputs = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "lora": lora}
+            response = httpx.post(f"{url}/predictions", json={"input": inputs}, timeout=120)
+            assert response.status_code == 200, response.text
+            return dict(response.json())
+
+        base = predict("")
+        tuned = predict(f"{file_server}/beta.tar.gz")
+        assert base["status"] == tuned["status"] == "succeeded", (base, tuned)
+        assert "".join(tuned["output"]) != "".join(base["output"])
+        assert predict(f"{file_server}/beta.tar.gz")["output"] == tuned["output"]
+        cached = [p for p in (tmp_path / "lora-cache").iterdir() if not p.name.startswith("base-zero-")]
+        assert len(cached) == 1  # downloaded once (beside the CPU build's zero adapter)
+        bad = predict(f"{file_server}/junk.tar")
+        assert bad["status"] == "failed" and "not a readable tar" in bad["error"]
+    finally:
+        _stop(process)
