@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.redis_overhead import main as redis_main
 
         return redis_main(argv[1:])
+    if argv[:1] == ["lora"]:  # streams spread over LoRA adapters against the base (bench/lora.py)
+        from bench.lora import main as lora_main
+
+        return lora_main(argv[1:])
     if argv[:1] == ["timelines"]:
         from bench.timelines import main as timelines_main
 

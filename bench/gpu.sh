@@ -42,6 +42,12 @@
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
 # copied to $OUT/<same name>/ with the server logs.
+#   LoRA (issue 32): run("bash bench/gpu.sh lora")  # ~4-5 min: one bundle server with LoRA on and 4
+#      random rank-16 adapters on q/k/v/o in bf16 (built on the device, bench/lora.py), 64 streams
+#      spread over the 4 adapters against 64 streams on the base, same prompts, 512 in / 256 out,
+#      3 runs each alternating -> $OUT/lora/lora.json + server.log. The same run on a CPU box with
+#      the tiny model and small counts (what was run before the H200): BUNDLE_MAX_NUM_SEQS=16
+#      python -m bench lora --adapters 2 --rank 8 --level 4 --rounds 1 --repeat 2 --prompt-tokens 32 --output-tokens 16
 #   cold start (issue 13), each one command under 10 minutes, results merged into one JSON:
 #      run("bash bench/gpu.sh startup")        # bytecode compiled; empty compile cache x1, warm x3
 #      run("bash bench/gpu.sh startup-eager")  # eager x2, sleep/wake cycles x3 (lifecycle functions)
@@ -212,6 +218,13 @@ case "$stage" in
       --rate "${BENCH_RATE:-8}" --open-seconds 10 --prompt-tokens 512 --output-tokens 256 --machine "$machine" || status=$?
     mkdir -p "${OUT:-/tmp/out}/cog" && cp bench/gpu-results/cog/cog.json bench/gpu-results/cog/*.log "${OUT:-/tmp/out}/cog/" 2>/dev/null || true
     exit $status ;;
+  lora)  # stops at the first failure: a server that dies or lists no adapters ends the stage at once
+    status=0
+    timeout 540 python3 -m bench lora --adapters 4 --rank 16 --level 64 --rounds 2 --repeat 3 --prompt-tokens 512 \
+      --output-tokens 256 --vocab 128000 --clients 4 --machine "$machine" --out bench/gpu-results/lora || status=$?
+    mkdir -p "${OUT:-/tmp/out}/lora" && cp bench/gpu-results/lora/lora.json bench/gpu-results/lora/server.log "${OUT:-/tmp/out}/lora/" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+    exit $status ;;
   sleepwake)
     python3 -m bench.sleepwake --streams 256 --out bench/gpu-results/sleepwake || echo "token ids differ after wake"
     mkdir -p "${OUT:-/tmp/out}" && cp -r bench/gpu-results/sleepwake "${OUT:-/tmp/out}/"
@@ -236,6 +249,6 @@ case "$stage" in
     done
     cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

@@ -11,6 +11,7 @@ target's time to first token and not in the in-process raw engine's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from typing import Any
@@ -54,12 +55,13 @@ def http_requester(
     shared_headers = {"Content-Type": "application/json"}
     if api_key:
         shared_headers["Authorization"] = f"Bearer {api_key}"
+    models = itertools.cycle(workload.models or (workload.model,))  # spread evenly over them
 
     async def one(prompt: list[int]) -> Sample:
         headers = {**shared_headers, "X-Request-Id": uuid.uuid4().hex} if request_ids else shared_headers
         body = orjson.dumps(
             {
-                "model": workload.model,
+                "model": next(models),
                 "prompt": prompt,
                 "max_tokens": workload.output_length(prompt),
                 "temperature": 0.0,

@@ -49,6 +49,8 @@ class Workload:
     # together as a clump: TTFT then comes in whole prefill steps (at 256 streams on the H200
     # a run's p50 was ~600 or ~790 ms, nothing between). Varied lengths break the clumps up.
     output_spread: float = 0.0
+    # Models the requests name in turn (LoRA adapters, bench/lora.py); empty: `model` for all.
+    models: tuple[str, ...] = ()
 
     def prompts(self, count: int, batch: str) -> list[list[int]]:
         """`count` prompts for the batch called `batch` (e.g. "c64/r2"): the same ids for every

@@ -143,6 +143,12 @@ class Runner(BaseRunner):
             description="Idempotency key: a repeat with the same inputs follows the same "
             "generation instead of starting another.",
         ),
+        lora: str = Input(
+            default="",
+            description="LoRA adapter to run the prompt through: an https URL of a .tar of a PEFT "
+            "adapter (adapter_config.json + weights), a Hugging Face id, or the name of an adapter "
+            "loaded at start; downloaded once per container. Empty: the base model.",
+        ),
     ) -> ConcatenateIterator[str]:
         signal = bridge.current_cancel_signal(under_coglet=coglet.server.active)
         scope = self.scope  # this prediction's; the generator below ends in coglet's slot thread
@@ -165,6 +171,7 @@ class Runner(BaseRunner):
             json_schema=json_schema,
             tools=tools,
         )
+        body = await bridge.with_adapter(self.service, body, lora)
         # Bad input raises a BundleError here: coglet turns it into a failed prediction.
         subscription = await bridge.start_generation(self.service, body, request_id)
         pieces: Iterator[str] = bridge.stream_text(

@@ -118,6 +118,8 @@ CONTAINER_ENV: dict[str, str | None] = {
     "HF_HOME": HF_CACHE_DIR,
     # vLLM's, inductor's and Triton's compiled artifacts, all on the volume (shared/caches.py).
     **compile_cache_env(VLLM_CACHE_DIR),
+    # Also where LoRA adapters from tar URLs are unpacked (<cache dir>/lora; those from Hugging
+    # Face land in HF_HOME): on the volume, so a fine-tune downloads once per volume, not per start.
     "BUNDLE_CACHE_DIR": f"{HF_CACHE_DIR}/vllm-serverless-bundle",
 }
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -35,7 +35,13 @@ from shared.headers import (
     parse_request_id,
 )
 from shared.loop_lag import watch_loop_lag
-from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
+    parse_request,
+)
 from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
 from shared.settings import Settings
@@ -130,7 +136,20 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_service(request).model_card()]})
+        return JSONResponse({"object": "list", "data": _service(request).model_cards()})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = parse_request(LoadAdapterRequest, await _read_json(request, settings))
+        adapter = await _service(request).adapters.load(body.lora_name, body.lora_path)
+        # vLLM's own answer, word for word: its clients read the status, some the text.
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = parse_request(UnloadAdapterRequest, await _read_json(request, settings))
+        adapter = await _service(request).adapters.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' removed successfully.")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

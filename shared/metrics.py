@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -92,6 +93,32 @@ class Metrics:
             registry=r,
         )
         self._add_store_metrics(r)
+        self._add_model_metrics(r)
+
+    def _add_model_metrics(self, r: CollectorRegistry) -> None:
+        """Per served model: the base and each LoRA adapter. Only names the server admitted
+        (the base and loaded adapters) become labels, and an unloaded adapter's series go with it,
+        so the label set stays within BUNDLE_MAX_LOADED_LORAS + 1."""
+        self.model_requests = Counter(
+            "bundle_model_requests", "Generations run, per model (base or LoRA adapter).", ["model"], registry=r
+        )
+        self.model_prompt_tokens = Counter(
+            "bundle_model_prompt_tokens", "Prompt tokens, per model.", ["model"], registry=r
+        )
+        self.model_generation_tokens = Counter(
+            "bundle_model_generation_tokens", "Tokens generated, per model.", ["model"], registry=r
+        )
+
+    def count_model(self, model: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.model_requests.labels(model).inc()
+        self.model_prompt_tokens.labels(model).inc(prompt_tokens)
+        self.model_generation_tokens.labels(model).inc(generated_tokens)
+
+    def forget_model(self, model: str) -> None:
+        """Drop an unloaded adapter's series (its counts end with it)."""
+        for counter in (self.model_requests, self.model_prompt_tokens, self.model_generation_tokens):
+            with contextlib.suppress(KeyError):  # never counted
+                counter.remove(model)
 
     def _add_store_metrics(self, r: CollectorRegistry) -> None:
         """The shared identity store (BUNDLE_REDIS_URL); all zero when it is not configured."""

@@ -310,6 +310,17 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+# --- LoRA adapters at runtime (vLLM's own routes and bodies) -----------------------------------------
+class LoadAdapterRequest(_Strict):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)  # a directory, a Hugging Face id or a tar URL
+
+
+class UnloadAdapterRequest(_Strict):
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None  # vLLM's body has it; the name alone decides here
+
+
 def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
     """Validate a decoded JSON body, turning the first problem into one clear OpenAI error."""
     if not isinstance(body, dict):

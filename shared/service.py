@@ -25,10 +25,10 @@ from shared.errors import (
     EventsGone,
     GenerationFailed,
     InvalidRequest,
-    ModelNotFound,
     NotFound,
 )
 from shared.generation import GenerationOutput, produce
+from shared.lora import Adapters
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.registry import CancelOutcome, Entry, Registry, Subscription
@@ -67,6 +67,8 @@ class Service:
         if timings is not None:
             self.metrics.watch_engine_outputs(timings)
         self.registry = Registry(settings, self.metrics)
+        # Start-time adapters were loaded with the engine (shared/engine.py, `open_engine`).
+        self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
         self.replicas = _shared_identity(settings, self.registry, self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
@@ -200,6 +202,15 @@ class Service:
             "max_model_len": self.engine.info.max_model_len,
         }
 
+    def model_cards(self) -> list[dict[str, object]]:
+        """The base model, then every loaded LoRA adapter with the base as its `parent` (as
+        vLLM's server lists them; `root` is where the adapter came from)."""
+        base = self.model_card()
+        cards: list[dict[str, object]] = [{**base, "root": self.settings.model, "parent": None}]
+        for adapter in self.adapters.loaded():
+            cards.append({**base, "id": adapter.name, "root": adapter.source, "parent": base["id"]})
+        return cards
+
     # --- admission ------------------------------------------------------------------------------
     def _existing_or_new(
         self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool, event_ids: bool
@@ -244,7 +255,7 @@ class Service:
             prepared = (prompt_ids, self._sampling(body, prompt_ids))
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
-            encoder=ChunkEncoder(kind, completion_id, self.settings.model_name),
+            encoder=ChunkEncoder(kind, completion_id, body.model),  # the base's name or an adapter's
             events=ReplayBuffer(self.settings.max_events_per_request, numbered=numbered),
             stream=body.stream,
             include_usage=body.include_usage,
@@ -299,15 +310,21 @@ class Service:
         completion_id: str,
         abort_reason: Callable[[], str],
     ) -> None:
-        await produce(
-            output,
-            self.engine,
-            sampling,
-            self.metrics,
-            self.settings.request_timeout_s,
-            engine_request_id=completion_id,
-            abort_reason=abort_reason,
-        )
+        try:
+            await produce(
+                output,
+                self.engine,
+                sampling,
+                self.metrics,
+                self.settings.request_timeout_s,
+                engine_request_id=completion_id,
+                abort_reason=abort_reason,
+            )
+        finally:  # per model, counted once per generation: nothing on the per-token path
+            adapter = sampling.adapter
+            if adapter is None or self.adapters.holds(adapter):  # an unloaded one's series are gone
+                model = adapter.name if adapter else self.settings.model_name
+                self.metrics.count_model(model, output.usage.prompt_tokens, output.usage.completion_tokens)
 
     async def _render_in_thread(self, body: OpenAIRequest) -> list[int]:
         """Tokenize (or apply the chat template) a long prompt without stalling other streams:
@@ -331,11 +348,7 @@ class Service:
             )
 
     def _check_model(self, model: str) -> None:
-        if model != self.settings.model_name:
-            raise ModelNotFound(
-                f"model {model!r} is not served here; this server serves {self.settings.model_name!r}",
-                param="model",
-            )
+        self.adapters.resolve(model)  # 404 model_not_found unless the base or a loaded adapter
 
     def _prompt_ids(self, body: OpenAIRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
@@ -406,6 +419,7 @@ class Service:
             logit_bias=logit_bias,
             constraint=_constraint(body, self.engine),
             stream_interval=self._paced_interval(),
+            adapter=self.adapters.resolve(body.model),
         )
 
     def _choices(self, kind: Kind, body: OpenAIRequest) -> Choices | None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/tiny_model.py
 
@@ -100,6 +100,37 @@ class Settings(BaseSettings):
     )
     wake_slow_s: float = Field(
         5.0, gt=0, description="A wake-up slower than this is logged as a warning with its phases."
+    )
+
+    # --- LoRA adapters (shared/lora.py) -------------------------------------------------------
+    enable_lora: bool = Field(
+        False, description="Serve LoRA adapters beside the base model; a request picks one by `model`."
+    )
+    # NoDecode: the settings source would insist on JSON; the validator below takes both forms.
+    lora_modules: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Adapters loaded at start, name -> source (a local directory, a Hugging Face id, "
+        'or an http(s) URL of a .tar/.tar.gz): JSON (\'{"sql": "org/sql-lora"}\') or name=source,...',
+    )
+    max_loras: int = Field(
+        4, ge=1, description="Most distinct adapters in one engine batch (vLLM's max_loras)."
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="Largest adapter rank (vLLM's max_lora_rank; it takes 1, 8, 16, 32, 64, ...)."
+    )
+    max_loaded_loras: int = Field(
+        8,
+        ge=1,
+        description="Most adapters held at once (start-time and runtime together): each is kept in "
+        "host memory by vLLM (max_cpu_loras), so this bounds memory and metric labels.",
+    )
+    lora_runtime_loading: bool = Field(
+        True,
+        description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key), "
+        "and Cog's per-prediction adapter input.",
+    )
+    lora_cache_dir: Path | None = Field(
+        None, description="Where adapters from URLs are unpacked once. Unset: <cache_dir>/lora."
     )
 
     # --- API -------------------------------------------------------------------------------
@@ -210,6 +241,22 @@ class Settings(BaseSettings):
             return json.loads(value)
         return value or None
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_modules(cls, value: Any) -> Any:
+        """JSON object, or `name=source,name=source` (the form RunPod's LORA_MODULES users know)."""
+        if not isinstance(value, str):
+            return value or {}
+        text = value.strip()
+        if not text:
+            return {}
+        if text.startswith("{"):
+            return json.loads(text)
+        pairs = [part.partition("=") for part in text.split(",") if part.strip()]
+        if any(not sep or not name.strip() or not source.strip() for name, sep, source in pairs):
+            raise ValueError("BUNDLE_LORA_MODULES takes JSON or name=source pairs separated by commas")
+        return {name.strip(): source.strip() for name, _, source in pairs}
+
     @field_validator("redis_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
@@ -219,6 +266,10 @@ class Settings(BaseSettings):
     def model_name(self) -> str:
         """The name clients use in the `model` field."""
         return self.served_model_name or self.model
+
+    @property
+    def lora_dir(self) -> Path:
+        return self.lora_cache_dir or self.cache_dir / "lora"
 
     @property
     def uses_tiny_model(self) -> bool:

@@ -43,12 +43,17 @@ def free_port() -> int:
 class LiveServers:
     """Runs apps on one event loop thread, all backed by one engine."""
 
-    def __init__(self, engine_factory: Callable[[Settings], Any] = open_engine) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[Settings], Any] = open_engine,
+        engine_settings: Settings = ENGINE_SETTINGS,
+    ) -> None:
+        self.engine_settings = engine_settings
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()
-        self.engine: Engine = self.call(self._stack.enter_async_context(engine_factory(ENGINE_SETTINGS)))
+        self.engine: Engine = self.call(self._stack.enter_async_context(engine_factory(engine_settings)))
         self._servers: list[uvicorn.Server] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
@@ -60,7 +65,7 @@ class LiveServers:
 
     def serve_with(self, uvicorn_options: dict[str, Any], **overrides: Any) -> tuple[str, Service]:
         """`serve`, with these uvicorn.Config options (the bundle's protocol, say)."""
-        settings = Settings(**{**ENGINE_SETTINGS.model_dump(), **overrides})
+        settings = Settings(**{**self.engine_settings.model_dump(), **overrides})
         app = create_app(settings, engine=self.engine)
         port = free_port()
         config = uvicorn.Config(

@@ -81,6 +81,7 @@ def test_schema_file_matches_runner_signature() -> None:
         "json_schema",
         "tools",
         "request_id",
+        "lora",
     }
     assert inputs["max_tokens"]["maximum"] == Settings().max_tokens_limit
 

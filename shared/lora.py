@@ -1,0 +1,256 @@
+"""LoRA adapters served beside the base model: which names exist, and loading and unloading them.
+
+A request's `model` names the base (its served name) or a loaded adapter; anything else is a 404
+`model_not_found`. The catalogue holds at most `max_loaded_loras` adapters (start-time and
+runtime together). Every adapter is checked before the engine sees it: its `adapter_config.json`
+must parse, its rank `r` must fit `max_lora_rank`, and its `base_model_name_or_path`, when both
+it and the served base are known, must name the same model. Shapes that still do not fit (an
+adapter for another architecture without a base named) are found by vLLM when it loads the
+weights, and reported as the client's 400 as well.
+
+vLLM keeps an adapter in host memory once added (`max_cpu_loras` = the catalogue's bound), so
+a request naming it never waits for a disk load, and every load error surfaces at load time,
+not in the middle of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from shared.errors import InvalidRequest, ModelNotFound, NotFound
+from shared.lora_sources import CONFIG_NAME, fetch_adapter
+from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from shared.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# Names become Prometheus label values and appear in URLs and logs: keep them plain.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][\w.\-:]{0,127}$")
+COG_PREFIX = "cog-"  # names the Cog input gives the adapters it loads (see `Adapters.ensure`)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter as the engine loads it: vLLM's LoRARequest is (name, int id, path)."""
+
+    name: str
+    lora_id: int  # never reused: a reloaded name gets a new id, so no stale engine state applies
+    path: Path
+    source: str  # what the operator or client gave (path, Hugging Face id, URL)
+    rank: int
+    base: str | None  # base_model_name_or_path, when the adapter names one
+
+
+class AdapterEngine(Protocol):
+    """What the catalogue needs from the engine (shared/engine.py's VLLMEngine has it)."""
+
+    async def add_adapter(self, adapter: Adapter) -> None: ...
+
+    async def remove_adapter(self, adapter: Adapter) -> None: ...
+
+
+def read_adapter_config(path: Path, source: str) -> tuple[int, str | None]:
+    """(rank, base model) from a PEFT adapter's config; a 400 when it is no LoRA adapter."""
+
+    def invalid(why: str) -> InvalidRequest:
+        return InvalidRequest(f"adapter {source!r}: {why}", param="lora_path", code="invalid_lora_adapter")
+
+    try:
+        config = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, ValueError) as exc:
+        raise invalid(f"cannot read {CONFIG_NAME}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise invalid(f"{CONFIG_NAME} is not a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise invalid(f"peft_type is {peft_type!r}; only LoRA adapters are served")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise invalid(f"{CONFIG_NAME} has no positive integer rank 'r' (got {rank!r})")
+    base = config.get("base_model_name_or_path")
+    return rank, str(base) if base else None
+
+
+def same_base(adapter_base: str, served: str) -> bool:
+    """Whether an adapter trained on `adapter_base` fits the served model `served`. Ids and
+    paths are compared by their last part too: an adapter for "meta-llama/Meta-Llama-3-8B" fits
+    a copy of it at /models/Meta-Llama-3-8B."""
+
+    def tail(name: str) -> str:
+        return name.rstrip("/").rsplit("/", 1)[-1].lower()
+
+    return adapter_base.rstrip("/") == served.rstrip("/") or tail(adapter_base) == tail(served)
+
+
+def prepare_adapter(name: str, source: str, lora_id: int, settings: Settings) -> Adapter:
+    """Fetch and check one adapter (blocking: run it in a thread)."""
+    path = fetch_adapter(source, settings.lora_dir)
+    rank, base = read_adapter_config(path, source)
+    if rank > settings.max_lora_rank:
+        raise InvalidRequest(
+            f"adapter {name!r} has rank {rank}, above this server's max_lora_rank "
+            f"{settings.max_lora_rank} (BUNDLE_MAX_LORA_RANK)",
+            param="lora_path",
+            code="lora_rank_too_high",
+        )
+    if base is not None and not any(
+        same_base(base, served) for served in (settings.model, settings.model_name)
+    ):
+        raise InvalidRequest(
+            f"adapter {name!r} was trained on {base!r}, not on the served model {settings.model!r} "
+            "(if it is the same model under another name, set BUNDLE_SERVED_MODEL_NAME to that name)",
+            param="lora_path",
+            code="lora_base_mismatch",
+        )
+    return Adapter(name, lora_id, path, source, rank, base)
+
+
+def check_name(name: str, settings: Settings) -> None:
+    if not ADAPTER_NAME.match(name):
+        raise InvalidRequest(
+            f"adapter name {name[:64]!r}: use 1-128 letters, digits, '.', '_', '-' or ':'",
+            param="lora_name",
+        )
+    if name == settings.model_name:
+        raise InvalidRequest(f"{name!r} is the base model's name", param="lora_name")
+
+
+async def load_static(settings: Settings, engine: AdapterEngine) -> list[Adapter]:
+    """The adapters of BUNDLE_LORA_MODULES, fetched, checked and loaded: a bad one fails the start."""
+    if len(settings.lora_modules) > settings.max_loaded_loras:
+        raise InvalidRequest(
+            f"BUNDLE_LORA_MODULES names {len(settings.lora_modules)} adapters; "
+            f"BUNDLE_MAX_LOADED_LORAS is {settings.max_loaded_loras}"
+        )
+    loaded = []
+    for lora_id, (name, source) in enumerate(settings.lora_modules.items(), start=1):
+        check_name(name, settings)
+        adapter = await asyncio.to_thread(prepare_adapter, name, source, lora_id, settings)
+        await engine.add_adapter(adapter)
+        log.info("LoRA adapter %s (rank %d) loaded from %s", name, adapter.rank, source)
+        loaded.append(adapter)
+    return loaded
+
+
+class Adapters:
+    """The loaded adapters by name; the one place that loads or unloads them at runtime."""
+
+    def __init__(
+        self, settings: Settings, engine: AdapterEngine, metrics: Metrics, loaded: Iterable[Adapter] = ()
+    ) -> None:
+        self.settings = settings
+        self._engine = engine
+        self._metrics = metrics
+        self._by_name = {adapter.name: adapter for adapter in loaded}
+        self._static = frozenset(self._by_name)
+        self._next_id = max((a.lora_id for a in self._by_name.values()), default=0) + 1
+        self._last_used: dict[str, float] = dict.fromkeys(self._by_name, time.monotonic())
+        self._lock = asyncio.Lock()  # loads are rare and slow: one at a time keeps the bound exact
+
+    def resolve(self, model: str) -> Adapter | None:
+        """None for the base model, the adapter for an adapter's name; 404 otherwise."""
+        if model == self.settings.model_name:
+            return None
+        adapter = self._by_name.get(model)
+        if adapter is None:
+            served = ", ".join([repr(self.settings.model_name), *map(repr, sorted(self._by_name))])
+            raise ModelNotFound(
+                f"The model {model!r} does not exist; this server serves {served}", param="model"
+            )
+        self._last_used[model] = time.monotonic()
+        return adapter
+
+    def holds(self, adapter: Adapter) -> bool:
+        return self._by_name.get(adapter.name) is adapter
+
+    def loaded(self) -> list[Adapter]:
+        return sorted(self._by_name.values(), key=lambda adapter: adapter.lora_id)
+
+    async def load(self, name: str, source: str) -> Adapter:
+        """Fetch, check and load an adapter under `name` (400 when anything is wrong)."""
+        self._check_runtime()
+        check_name(name, self.settings)
+        async with self._lock:
+            if name in self._by_name:
+                raise InvalidRequest(f"the LoRA adapter {name!r} is already loaded", param="lora_name")
+            if len(self._by_name) >= self.settings.max_loaded_loras:
+                raise InvalidRequest(
+                    f"{len(self._by_name)} adapters are loaded, the most this server holds "
+                    "(BUNDLE_MAX_LOADED_LORAS); unload one first",
+                    param="lora_name",
+                    code="lora_limit_reached",
+                )
+            return await self._load_locked(name, source)
+
+    async def _load_locked(self, name: str, source: str) -> Adapter:
+        lora_id, self._next_id = self._next_id, self._next_id + 1
+        adapter = await asyncio.to_thread(prepare_adapter, name, source, lora_id, self.settings)
+        await self._engine.add_adapter(adapter)
+        self._by_name[name] = adapter
+        self._last_used[name] = time.monotonic()
+        log.info("LoRA adapter %s (rank %d, id %d) loaded from %s", name, adapter.rank, lora_id, source)
+        return adapter
+
+    async def unload(self, name: str) -> Adapter:
+        """Forget `name` at once (new requests naming it get 404); the engine drops it when its
+        running requests have ended (shared/engine.py)."""
+        self._check_runtime()
+        adapter = self._by_name.pop(name, None)
+        if adapter is None:
+            raise NotFound(
+                f"no LoRA adapter named {name!r} is loaded", param="lora_name", code="lora_not_found"
+            )
+        self._last_used.pop(name, None)
+        self._metrics.forget_model(name)
+        await self._engine.remove_adapter(adapter)
+        log.info("LoRA adapter %s unloaded", name)
+        return adapter
+
+    async def ensure(self, source: str) -> str:
+        """The model name for `source` (Cog's adapter input): a loaded adapter's name, or the
+        source loaded now under a name derived from it, making room by unloading the adapter
+        used least recently (never a start-time one) when the catalogue is full."""
+        source = source.strip()
+        if source in self._by_name:
+            return source
+        name = COG_PREFIX + hashlib.sha256(source.encode()).hexdigest()[:16]
+        self._check_runtime()
+        async with self._lock:
+            if name not in self._by_name:
+                await self._make_room()
+                await self._load_locked(name, source)
+        return name
+
+    async def _make_room(self) -> None:
+        if len(self._by_name) < self.settings.max_loaded_loras:
+            return
+        evictable = [name for name in self._by_name if name not in self._static]
+        if not evictable:
+            raise InvalidRequest(
+                "every adapter slot holds a start-time adapter (BUNDLE_MAX_LOADED_LORAS)",
+                code="lora_limit_reached",
+            )
+        oldest = min(evictable, key=lambda name: self._last_used.get(name, 0.0))
+        await self.unload(oldest)
+
+    def _check_runtime(self) -> None:
+        if not self.settings.enable_lora:
+            raise InvalidRequest(
+                "LoRA is not enabled on this server (BUNDLE_ENABLE_LORA)", code="lora_disabled"
+            )
+        if not self.settings.lora_runtime_loading:
+            raise InvalidRequest(
+                "runtime adapter loading is off on this server (BUNDLE_LORA_RUNTIME_LOADING)",
+                code="lora_runtime_loading_disabled",
+            )
