@@ -129,11 +129,13 @@ def before_sleep(probe: Callable[[Any], Awaitable[None]]) -> Iterator[None]:
 
 # --- serving the class's ASGI app on the container's loop ---------------------------------------
 async def serve(
-    app: Any, client_work: Callable[[str], dict[str, Any]], engine_work: Any = None
+    app: Any, client_work: Callable[[str, str], dict[str, Any]], engine_work: Any = None
 ) -> dict[str, Any]:
-    """Serve `app` with uvicorn on this loop (the container's); run `client_work(base_url)` in a
-    thread with its own loop, as Modal's proxy is outside the container's loop; then, on this
-    loop, `engine_work()` if given."""
+    """Serve `app` with uvicorn on this loop (the container's); run `client_work(base_url, part)`
+    in a thread with its own loop, as Modal's proxy is outside the container's loop: the first
+    request, then the HTTP load. With `engine_work(side)`, the engine's own figures are taken on
+    this loop twice: right after that first token (the bar: the engine after its wake-up, with
+    nothing else running, as before the sleep) and again after the HTTP load."""
     import uvicorn
 
     sock = socket.socket()
@@ -148,9 +150,12 @@ async def serve(
                 raise RuntimeError("uvicorn stopped before it started")
             await asyncio.sleep(0.01)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        result = await asyncio.to_thread(client_work, url)
+        result = await asyncio.to_thread(client_work, url, "first")
         if engine_work is not None:
-            result["engine_after_wake"] = await engine_work()
+            result["engine_after_wake"] = await engine_work("after")
+        result |= await asyncio.to_thread(client_work, url, "load")
+        if engine_work is not None:
+            result["engine_after_http_load"] = await engine_work("after-http")
         return result
     finally:
         server.should_exit = True
@@ -160,30 +165,37 @@ async def serve(
 
 def http_client_work(
     args: argparse.Namespace, model: str, api_key: str | None
-) -> Callable[[str], dict[str, Any]]:
-    """First served token (timed on the shared clock), then N streams and one stream over HTTP."""
+) -> Callable[[str, str], dict[str, Any]]:
+    """Part "first": the first served token (timed on the shared clock); part "load": N streams,
+    then one stream, over HTTP."""
     from bench.requesters import http_requester, load_client
 
-    async def work(url: str) -> dict[str, Any]:
-        workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, seed=30, model=model)
+    workload = Workload(args.prompt_tokens, args.output_tokens, args.vocab, seed=30, model=model)
+
+    async def first(url: str) -> dict[str, Any]:
         async with load_client(url) as client:
             requester = http_requester(client, workload, api_key)
             sent = time.perf_counter()
-            first = await requester(workload.prompts(1, "first")[0])
-            if not first.ok:
-                raise RuntimeError(f"the first request failed: {first.error}")
+            reply = await requester(workload.prompts(1, "first")[0])
+        if not reply.ok:
+            raise RuntimeError(f"the first request failed: {reply.error}")
+        ttft = reply.first_token_s
+        return {"first_token_at": sent + ttft, "first_request_ttft_s": round(ttft, 4)}
+
+    async def load(url: str) -> dict[str, Any]:
+        async with load_client(url) as client:
+            requester = http_requester(client, workload, api_key)
             many = await run_level(requester, workload.prompts(args.streams, "http/many"), args.streams)
             one = await run_level(requester, workload.prompts(1, "http/one"), 1)
         return {
-            "first_token_at": sent + first.first_token_s,
-            "first_request_ttft_s": round(first.first_token_s, 4),
             "http_tokens_per_s_many": round(many["output_tokens_per_s"], 1),
             "http_tokens_per_s_one": round(one["output_tokens_per_s"], 1),
             "http_ttft_p50_many_s": round(many["ttft_s"]["p50"], 4),
-            "http_errors": many["errors"] + one["errors"] + int(not first.ok),
+            "http_errors": many["errors"] + one["errors"],
         }
 
-    return lambda url: asyncio.run(work(url))
+    parts = {"first": first, "load": load}
+    return lambda url, part: asyncio.run(parts[part](url))
 
 
 # --- one run --------------------------------------------------------------------------------------
@@ -215,7 +227,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
         engine_work = None
         if snapshots:
             engine = container.instance.lifecycle.engine
-            engine_work = lambda: never_slept["figures"].measure(engine, "after")  # noqa: E731
+            engine_work = lambda side: never_slept["figures"].measure(engine, side)  # noqa: E731
         served = container.loop.run(
             serve(container.asgi_app, http_client_work(args, settings.model_name, api_key), engine_work)
         )
@@ -299,6 +311,14 @@ def summarise(
         result["restore_to_first_token_wall_s"] = round(first_token_at - recorder.events["restored"], 3)
         result["gpu_memory_mib"] = {**memory, "note": "nvidia-smi, GPU 0, all processes"}
         result |= compare(never_slept, served.pop("engine_after_wake"))
+        # The same engine figures once more after the HTTP load (not a bar: what serving left).
+        later = compare(never_slept, served.pop("engine_after_http_load"))
+        result["after_http_load"] = {
+            **later["after_wake"],
+            "token_ids_identical": later["token_ids_identical"],
+            "tokens_per_s_ratio_many": later["tokens_per_s_ratio_many"],
+            "tokens_per_s_ratio_one": later["tokens_per_s_ratio_one"],
+        }
         result["bars"] = bars(result)
     return result
 
@@ -366,7 +386,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--streams", type=int, default=64, help="concurrent streams per wave")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2, help="waves on each side of the sleep (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="waves on each side of the sleep (median)")
     parser.add_argument("--fixed-prompts", type=int, default=8, help="temperature-0 prompts compared")
     parser.add_argument("--fixed-tokens", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=1000, help="prompt token ids below this (HTTP load)")
