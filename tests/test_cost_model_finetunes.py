@@ -83,7 +83,7 @@ def test_lora_overhead_slows_and_bills_only_the_adapter_deployment() -> None:
 def test_cli_shows_both_sides_and_the_saving(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["estimate", "--requests-per-day", "2000", "--throughput", "1:100,8:90", "--concurrency", "8"]
     argv += ["--entries", "modal-h100,together-llama-3.1-8b"]
-    assert main([*argv, "--fine-tunes", "4", "--json"]) == 0
+    assert main([*argv, "--fine-tunes", "4", "--lora-overhead", "0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     ft = doc["fine_tunes"]
     assert ft["fine_tunes"] == 4 and ft["lora_overhead"] == 0 and ft["requests_per_day_each"] == 500
@@ -98,3 +98,16 @@ def test_cli_shows_both_sides_and_the_saving(capsys: pytest.CaptureFixture[str])
     assert "4 fine-tunes: one deployment serving 4 LoRA adapters, LoRA overhead 20% per token, against" in out
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fine_tunes"] is None
+
+
+def test_the_default_lora_overhead_is_the_h200_measurement() -> None:
+    """DEFAULT_LORA_OVERHEAD is what `bash bench/gpu.sh lora` measured: the base's tokens/s over
+    the adapters' (medians of the runs), less one, in the committed JSON."""
+    from pathlib import Path
+    from statistics import median
+
+    from cost_model.finetunes import DEFAULT_LORA_OVERHEAD
+
+    targets = json.loads(Path("bench/results-h200/lora/lora.json").read_text())["targets"]
+    base, lora = (median(targets[name]["runs_output_tokens_per_s"]) for name in ("base", "lora"))
+    assert DEFAULT_LORA_OVERHEAD == round(base / lora - 1, 2)
