@@ -228,24 +228,27 @@ class CogServer:
         return int(json.loads(self.stats_path.read_bytes())["engine_running_requests"])
 
 
-@pytest.fixture(scope="module")
-def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
+@contextlib.contextmanager
+def running_cog_server(log_dir: Path, ready_within_s: float = 240, **env: str) -> Iterator[CogServer]:
+    """The real runner under the real coglet, 4 slots, its engine's stats in a file; `env` on top."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("cog") / "server.log"
+    log_path = log_dir / "server.log"
     stats_path = log_path.with_name("engine-stats.json")
-    env = {
-        "COG_MAX_CONCURRENCY": "4",
-        "BUNDLE_MAX_MODEL_LEN": "2048",
-        "BUNDLE_MAX_TOKENS_LIMIT": str(SERVER_LIMIT_MAX_TOKENS),
-        "BUNDLE_ENGINE_STATS_FILE": str(stats_path),
-    }
+    env = {"COG_MAX_CONCURRENCY": "4", "BUNDLE_ENGINE_STATS_FILE": str(stats_path), **env}
     process = _launch(RUNNER_REF, port, log_path, ROOT, env)
     server = CogServer(f"http://127.0.0.1:{port}", process, log_path, stats_path)
     try:
-        _wait_ready(server, timeout=240)
+        _wait_ready(server, timeout=ready_within_s)
         yield server
     finally:
         _stop(process)
+
+
+@pytest.fixture(scope="module")
+def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
+    limits = {"BUNDLE_MAX_MODEL_LEN": "2048", "BUNDLE_MAX_TOKENS_LIMIT": str(SERVER_LIMIT_MAX_TOKENS)}
+    with running_cog_server(tmp_path_factory.mktemp("cog"), **limits) as server:
+        yield server
 
 
 def _launch(

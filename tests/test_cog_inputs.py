@@ -26,18 +26,13 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.service import Service
 from shared.settings import Settings
 
-from .conftest import free_port
 from .scripted import ScriptedEngine
 from .test_cog import (
     LONG,
-    ROOT,
-    RUNNER_REF,
     CogServer,
     _health_status,
     _kill_engine_cores,
-    _launch,
-    _stop,
-    _wait_ready,
+    running_cog_server,
     sse_prediction,
 )
 
@@ -144,21 +139,9 @@ def test_token_counts_come_from_the_generation() -> None:
 # --- the real Cog server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("cog-inputs") / "server.log"
-    stats_path = log_path.with_name("engine-stats.json")
-    env = {
-        "COG_MAX_CONCURRENCY": "4",
-        "BUNDLE_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
-        "BUNDLE_ENGINE_STATS_FILE": str(stats_path),
-    }
-    process = _launch(RUNNER_REF, port, log_path, ROOT, env)
-    server = CogServer(f"http://127.0.0.1:{port}", process, log_path, stats_path)
-    try:
-        _wait_ready(server, timeout=240)
+    limits = {"BUNDLE_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+    with running_cog_server(tmp_path_factory.mktemp("cog-inputs"), **limits) as server:
         yield server
-    finally:
-        _stop(process)
 
 
 def predict(server: CogServer, **inputs: Any) -> dict[str, Any]:

@@ -294,25 +294,19 @@ def test_coglet_boots_the_runner_from_a_weights_url(
 ) -> None:
     """What Replicate does with a trained version: COG_WEIGHTS in the container's environment,
     coglet hands it to setup(), the runner fetches and serves it; progress is in the setup log."""
-    from .conftest import free_port
-    from .test_cog import ROOT, RUNNER_REF, CogServer, _launch, _stop, _wait_ready
+    from .test_cog import running_cog_server
 
     state, base = served
     state.files["/trained.tar"] = make_tar(tiny_model)
     url = f"{base}/trained.tar"
-    port, log_path = free_port(), tmp_path / "server.log"
+    log_path = tmp_path / "server.log"
     env = {"COG_WEIGHTS": url, "BUNDLE_CACHE_DIR": str(tmp_path / "cache"), "BUNDLE_MAX_MODEL_LEN": "512"}
-    process = _launch(RUNNER_REF, port, log_path, ROOT, env)
-    server = CogServer(f"http://127.0.0.1:{port}", process, log_path, tmp_path / "unused")
-    try:
-        _wait_ready(server, timeout=240)
+    with running_cog_server(tmp_path, **env) as server:
         result = httpx.post(
             f"{server.url}/predictions", json={"input": {"prompt": "hi", "max_tokens": 4}}, timeout=60
         ).json()
         assert result["status"] == "succeeded", result
         assert result["metrics"]["output_token_count"] >= 1
-    finally:
-        _stop(process)
     assert "bytes=0-0" in state.seen  # the runner fetched the tar itself
     model = weights.cache_entry(url, tmp_path / "cache") / "files" / "tiny-model"
     assert same_files(model, tiny_model)

@@ -379,10 +379,8 @@ def test_replicate_users_run_a_fine_tune_by_url_through_the_real_cog_server(
     its tokens differ from the base's and repeat; a URL that is no adapter fails the prediction."""
     if os.environ.get(WITHOUT_ENGINE):
         pytest.skip("this run installs no engine (the Makefile's Python 3.12 run)")
-    from tests.conftest import free_port
-    from tests.test_cog import ROOT, RUNNER_REF, CogServer, _launch, _stop, _wait_ready
+    from tests.test_cog import running_cog_server
 
-    port = free_port()
     env = {
         "COG_MAX_CONCURRENCY": "2",
         "BUNDLE_MAX_MODEL_LEN": "512",
@@ -391,10 +389,8 @@ def test_replicate_users_run_a_fine_tune_by_url_through_the_real_cog_server(
         "BUNDLE_MAX_LORA_RANK": "8",
         "BUNDLE_LORA_CACHE_DIR": str(tmp_path / "lora-cache"),
     }
-    process = _launch(RUNNER_REF, port, tmp_path / "cog.log", ROOT, env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(CogServer(url, process, tmp_path / "cog.log", tmp_path / "unused"), timeout=300)
+    with running_cog_server(tmp_path, ready_within_s=300, **env) as server:
+        url = server.url
 
         def predict(lora: str) -> dict[str, Any]:
             inputs = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "lora": lora}
@@ -411,5 +407,3 @@ def test_replicate_users_run_a_fine_tune_by_url_through_the_real_cog_server(
         assert len(cached) == 1  # downloaded once (beside the CPU build's zero adapter)
         bad = predict(f"{file_server}/junk.tar")
         assert bad["status"] == "failed" and "not a readable tar" in bad["error"]
-    finally:
-        _stop(process)
