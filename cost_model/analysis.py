@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from cost_model.advice import Advice, advise
 from cost_model.billing import ModeResult, Overrides
@@ -40,6 +41,12 @@ def representatives(entries: list[Entry], results: list[ModeResult]) -> dict[str
     return {mode: e for mode, (_, e) in best.items()}
 
 
+def _cost_at(cat: Catalogue, e: Entry, w: Workload, s: ServiceProfile, ov: Overrides, rate: float) -> float:
+    """Monthly cost at one rate: bound per entry with partial (a lambda's default argument types are
+    not inferred)."""
+    return monthly_cost(cat, e, w, s, ov, rate)
+
+
 def mode_break_evens(
     cat: Catalogue, reps: dict[str, Entry], w: Workload, s: ServiceProfile, ov: Overrides
 ) -> list[BreakEven]:
@@ -49,9 +56,9 @@ def mode_break_evens(
         for b in items[i + 1 :]:
             found += crossings(
                 a.id,
-                lambda r, e=a: monthly_cost(cat, e, w, s, ov, r),
+                partial(_cost_at, cat, a, w, s, ov),
                 b.id,
-                lambda r, e=b: monthly_cost(cat, e, w, s, ov, r),
+                partial(_cost_at, cat, b, w, s, ov),
                 *RATE_RANGE,
             )
     return sorted(found, key=lambda be: be.requests_per_day)

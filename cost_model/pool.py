@@ -49,7 +49,8 @@ def _weighted_percentiles(values: np.ndarray, weights: np.ndarray) -> Latency:
     order = np.argsort(values, kind="stable")
     cum = np.cumsum(weights[order])
     cum /= cum[-1]
-    picks = [float(values[order][min(np.searchsorted(cum, q), values.size - 1)]) for q in (0.5, 0.95, 0.99)]
+    last = values.size - 1
+    picks = [float(values[order][min(int(np.searchsorted(cum, q)), last)]) for q in (0.5, 0.95, 0.99)]
     return Latency(*picks)
 
 
@@ -100,8 +101,14 @@ def simulate_pool(
         peak, count = max(peak, tot.peak_containers), count + len(t_obs)
     served = float(sum(wt.sum() for wt in weights)) or 1.0
     wt = np.concatenate(weights)
+    setup_s, flex_up_s, flex_busy_s, pinned_s, pinned_busy_s, starts = (float(x) for x in sums[:6])
     return PoolDay(
-        *sums[:6].tolist(),
+        setup_s,
+        flex_up_s,
+        flex_busy_s,
+        pinned_s,
+        pinned_busy_s,
+        starts,
         waited_share=float(sums[6] / served),
         queued_share=float(sums[7] / served),
         peak_containers=max(peak, cfg.min_containers),

@@ -66,7 +66,8 @@ def parse_startup(data: Any, origin: str) -> StartupPaths:
     paths = data.get("paths")
     if not isinstance(paths, dict) or not paths:
         raise CostModelError(f"malformed start-up JSON {origin}: 'paths' must be a non-empty object")
-    machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    given = data.get("machine")
+    machine = given if isinstance(given, dict) else {}
     gpu = machine.get("gpu") if isinstance(machine.get("gpu"), str) else None
     return StartupPaths({str(k): _median(str(k), v) for k, v in paths.items()}, gpu, origin)
 

@@ -252,6 +252,7 @@ def test_malformed_catalogue_exits_2(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 2 and "malformed catalogue" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_seed_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "estimate", "--scenario", "seed", "--json")
     assert code == 0
@@ -267,6 +268,7 @@ def test_seed_scenario_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["break_evens"] and doc["advice"]
 
 
+@pytest.mark.slow
 def test_plot_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "p.png"
     code, _, _ = _run(capsys, "estimate", "--scenario", "seed", "--json", "--plot", str(png))
@@ -282,6 +284,7 @@ def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--startup FILE" in out and "bundle-startup/1" in out and "--snapshot-restore-s" in out
 
 
+@pytest.mark.slow
 def test_startup_file_feeds_cold_start_and_snapshot_savings(capsys: pytest.CaptureFixture[str]) -> None:
     startup = str(FIXTURES / "startup_small.json")
     code, out, _ = _run(
@@ -311,6 +314,7 @@ def test_startup_file_feeds_cold_start_and_snapshot_savings(capsys: pytest.Captu
     assert any(n.startswith("warning:") and "H200" in n for n in doc["notes"])
 
 
+@pytest.mark.slow
 def test_no_start_up_given_uses_the_stated_default(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "estimate", "--requests-per-day", "100", "--throughput", "1:50,4:40", "--json")
     doc = json.loads(out)
@@ -318,6 +322,7 @@ def test_no_start_up_given_uses_the_stated_default(capsys: pytest.CaptureFixture
     assert doc["notes"][0].startswith("start-up: 38 s (stated default")
 
 
+@pytest.mark.slow
 def test_single_point_with_flag_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["estimate", "--requests-per-day", "100", "--tokens-per-s", "50", "--concurrency", "4"]
     assert _run(capsys, *argv)[0] == 2

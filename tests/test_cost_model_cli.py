@@ -81,6 +81,7 @@ def test_plot_format_outside_matplotlibs_list_is_refused_first(
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["p.svg", "p.PDF"])
 def test_plot_other_formats_matplotlib_writes(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
@@ -239,6 +240,7 @@ FLAGS: dict[str, st.SearchStrategy[str]] = {
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chosen=st.dictionaries(st.sampled_from(sorted(FLAGS)), st.just(None), max_size=6), data=st.data())
 def test_any_arguments_exit_0_or_2_without_traceback(

@@ -80,6 +80,7 @@ def test_lora_overhead_slows_and_bills_only_the_adapter_deployment() -> None:
     assert svc.prefill_tokens_per_s == pytest.approx(SERVICE.prefill_tokens_per_s / 1.25)
 
 
+@pytest.mark.slow
 def test_cli_shows_both_sides_and_the_saving(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["estimate", "--requests-per-day", "2000", "--throughput", "1:100,8:90", "--concurrency", "8"]
     argv += ["--entries", "modal-h100,together-llama-3.1-8b"]

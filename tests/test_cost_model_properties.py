@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +48,7 @@ def cost(
     return billing.per_second(ENTRY, rules, w, svc, ov)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     svc=services(),
@@ -76,6 +78,7 @@ def test_more_concurrency_never_raises_cost_per_request(svc, rules, arrival, rat
     assert many <= few * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(svc=services(), rules=rules_st, tok_price=st.floats(0.02, 5.0))
 def test_break_even_is_where_curves_cross(svc, rules, tok_price) -> None:  # noqa: ANN001

@@ -472,6 +472,7 @@ FUZZ_EXAMPLES = 2000
 fuzz_counter = {"requests": 0}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=FUZZ_EXAMPLES,
     deadline=None,
@@ -493,6 +494,7 @@ async def test_fuzz_in_process_never_5xx(
         assert response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_the_fuzzer_sent_its_requests() -> None:
     # Runs after the fuzz test in file order; without it, a skipped fuzz test would pass silently.
     assert fuzz_counter["requests"] >= FUZZ_EXAMPLES
