@@ -103,6 +103,13 @@ def runner_settings(weights: str | None, base: Settings | None = None) -> Settin
     update: dict[str, Any] = {"default_max_tokens": min(DEFAULT_MAX_TOKENS, settings.max_tokens_limit)}
     if weights:
         update["model"] = resolve_weights(str(weights), settings.cache_dir)
+    if settings.redis_url is not None:
+        # Predictions open generations through `Service.open`, this process's registry: the
+        # shared store's follow-across-replicas path serves HTTP only so far (issue 29).
+        log.warning(
+            "BUNDLE_REDIS_URL is set, but a Cog prediction's request_id is matched within this "
+            "container only: a repeat that reaches another instance starts a second generation"
+        )
     return settings.model_copy(update=update)
 
 

@@ -258,3 +258,15 @@ def _tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(resolve_model_path(Settings())))
+
+
+def test_a_shared_store_is_said_to_cover_http_only(caplog: pytest.LogCaptureFixture) -> None:
+    """With BUNDLE_REDIS_URL set the runner says that its request_id is matched in its own
+    container only (the Cog path does not follow other replicas' generations yet)."""
+    with caplog.at_level("WARNING", logger="shared.cog_bridge"):
+        bridge.runner_settings(None, Settings(redis_url="redis://127.0.0.1:1/0"))
+    assert "matched within this container only" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shared.cog_bridge"):
+        bridge.runner_settings(None, Settings())
+    assert "BUNDLE_REDIS_URL" not in caplog.text
