@@ -57,6 +57,7 @@ PHASE_LINE = re.compile(
     r"init engine \(.*\) took)[^\"\n]*"
 )
 CANCEL_AFTER_CHUNKS = 8
+JIT_LINE = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -267,6 +268,7 @@ def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> 
         report["closed_retry_409"] = asyncio.run(closed_with_retry(url, send, workload, texts, args))
         report.update(asyncio.run(cog_checks(url, args)))
         report["output_tokens_from"] = asyncio.run(cog_token_source(url))
+    report["triton_jit_in_inference"] = jit_compiles(log)
     return report
 
 
@@ -311,6 +313,23 @@ def phase_lines(log: Path) -> list[str]:
     except OSError:
         return []
     return [found.group(0)[:160] for found in PHASE_LINE.finditer(text)]
+
+
+def jit_compiles(log: Path) -> dict[str, list[str]]:
+    """vLLM's (GPU build) own warnings of Triton kernels compiled while serving, split at coglet's
+    "Setup complete": in setup (the runner's warm-up, harmless) or after (a prediction waited)."""
+    found: dict[str, list[str]] = {"setup": [], "after_ready": []}
+    phase = "setup"
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        if "Setup complete" in line:
+            phase = "after_ready"
+        elif (kernel := JIT_LINE.search(line)) is not None:
+            found[phase].append(kernel.group(1))
+    return found
 
 
 def _count(log: Path, text: str) -> int:

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from bench.loadgen import Requester, Sample
+from shared.cog_bridge import DEFAULT_TOP_K, DEFAULT_TOP_P
 
 AT_CAPACITY = "HTTP 409"  # coglet 0.23.1: "At capacity - all prediction slots busy"
 
@@ -83,12 +84,18 @@ def _cog_event(stream: Stream, event: str, data: Any, at: float) -> None:
 
 
 async def chat_stream(client: aiohttp.ClientSession, model: str, prompt: str, max_tokens: int) -> Stream:
-    """The same request as a chat completion from the bundle's HTTP server, streamed."""
+    """The same request as a chat completion from the bundle's HTTP server, streamed.
+
+    With the Cog inputs' default top_p and top_k, which the Cog predictions get from coglet: the
+    sampler then does the same work on both targets (on vLLM's GPU build, top-k/top-p masking is a
+    Triton kernel of its own; without them the HTTP figures never ran it)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 1.0,
+        "top_p": DEFAULT_TOP_P,
+        "top_k": DEFAULT_TOP_K,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

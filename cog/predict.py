@@ -39,6 +39,7 @@ from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
 from shared import child_output
 from shared import cog_bridge as bridge
 from shared.engine import open_engine
+from shared.lifecycle import warm_up
 from shared.service import Service
 
 bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
@@ -57,6 +58,10 @@ class Runner(BaseRunner):
         settings = await asyncio.to_thread(bridge.runner_settings, weights)
         self._stack = contextlib.AsyncExitStack()
         engine = await self._stack.enter_async_context(open_engine(settings))
+        # Before READY: the first users must not pay for first-use compiles. On the H200 the
+        # first 32-prediction wave waited ~7 s for vLLM's top-k/top-p Triton kernel, which
+        # Cog's default inputs need (shared/lifecycle.py, SAMPLED_WAVES; docs/cog.md).
+        await warm_up(engine, settings)
         self.service = Service(settings, engine)
         self.loop = asyncio.get_running_loop()
 

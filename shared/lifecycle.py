@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 Opener = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 
 WARM_UP_SEED = 20261130  # fixed prompts: every container warms up the same kernels
+# vLLM's GPU sampler (the 0.2x line, the H200's 0.26 included) masks top-k/top-p with a Triton
+# kernel once a step samples at least 8 rows (fewer: a PyTorch sort; the threshold is from vLLM's
+# source), JIT-compiled on first use, once per pair of "top-k on" / "top-p on" (compile-time
+# constants). On the H200 that compile ("Triton kernel JIT compilation during inference:
+# _topk_topp_kernel" in the log) held the engine step of the first concurrent burst of sampled
+# requests: Cog's first 32-stream wave had TTFT 6.4-7.6 s, later waves 0.25-0.35 s (Cog's default
+# inputs sample with top_k 50 and top_p 0.9). Greedy or unfiltered requests never run it, so the
+# greedy part of warm_up() does not warm it. One wave per pair, wide enough for the Triton path;
+# a mixed batch (some rows filtered, some not) runs the "both on" variant. vLLM's CPU build has
+# no Triton (a PyTorch sort always), and vLLM 0.32 warms these kernels up itself.
+SAMPLER_TRITON_MIN_ROWS = 8
+SAMPLED_WAVES: tuple[tuple[int | None, float], ...] = ((50, 0.9), (50, 1.0), (None, 0.9))  # (top_k, top_p)
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,8 @@ class EngineLifecycle:
 
 async def warm_up(engine: Engine, settings: Settings) -> None:
     """A few requests that touch what the first users would otherwise pay for: a short one, a
-    long prefill, and one full-batch wave of `max_num_seqs` streams."""
+    long prefill, one full-batch wave of `max_num_seqs` streams, and the sampled waves that
+    compile vLLM's top-k/top-p kernels (SAMPLED_WAVES)."""
     started = time.perf_counter()
     prompts = PromptMaker(engine.info.vocab_size or 256, WARM_UP_SEED)
     context = engine.info.max_model_len
@@ -126,7 +139,24 @@ async def warm_up(engine: Engine, settings: Settings) -> None:
     batch = apply_preset(settings).max_num_seqs  # what the engine runs with, its preset included
     wave = [_complete(engine, prompts.ids(16), max_tokens=8) for _ in range(batch)]
     await asyncio.gather(*wave)
-    log.info("warm-up done in %.2f s (%d-stream wave)", time.perf_counter() - started, len(wave))
+    await _sampled_waves(engine, prompts)
+    log.info(
+        "warm-up done in %.2f s (%d-stream wave; %d sampled waves of %d for top-k/top-p)",
+        time.perf_counter() - started,
+        len(wave),
+        len(SAMPLED_WAVES),
+        2 * SAMPLER_TRITON_MIN_ROWS,
+    )
+
+
+async def _sampled_waves(engine: Engine, prompts: PromptMaker) -> None:
+    """The top-k/top-p kernels' first use (see SAMPLED_WAVES): twice the rows that take them."""
+    for top_k, top_p in SAMPLED_WAVES:
+        wave = [
+            _complete(engine, prompts.ids(16), max_tokens=4, temperature=1.0, top_k=top_k, top_p=top_p)
+            for _ in range(2 * SAMPLER_TRITON_MIN_ROWS)
+        ]
+        await asyncio.gather(*wave)
 
 
 async def first_token(engine: Engine) -> float:
@@ -148,7 +178,21 @@ class PromptMaker:
         return [self._random.randrange(1, self._top) for _ in range(length)]
 
 
-async def _complete(engine: Engine, prompt: list[int], max_tokens: int) -> None:
-    request = SamplingRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+async def _complete(
+    engine: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> None:
+    request = SamplingRequest(
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        ignore_eos=True,
+    )
     async for _ in engine.generate(f"lifecycle-{uuid.uuid4().hex}", request):
         pass

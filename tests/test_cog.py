@@ -414,6 +414,16 @@ def _health_status(url: str) -> str:
     return str(httpx.get(f"{url}/health-check", timeout=15).json()["status"])
 
 
+def test_setup_warms_up_the_sampler_before_ready(cog_server: CogServer) -> None:
+    """setup() runs the core's warm-up, sampled waves included, before coglet says READY: on the
+    H200 the first 32-prediction wave otherwise waited ~7 s for vLLM's top-k/top-p Triton
+    compile (docs/cog.md). What the waves put in the engine: tests/test_lifecycle.py."""
+    lines = cog_server.log_path.read_text(errors="replace").splitlines()
+    warmed = [i for i, line in enumerate(lines) if "warm-up done" in line and "sampled waves" in line]
+    ready = [i for i, line in enumerate(lines) if "Setup complete" in line]
+    assert warmed and ready and warmed[0] < ready[0], (warmed, ready)
+
+
 def test_sse_streams_token_by_token(cog_server: CogServer) -> None:
     async def go() -> Stream:
         async with httpx.AsyncClient(timeout=120) as client:

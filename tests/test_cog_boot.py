@@ -158,3 +158,13 @@ def test_the_rehearsal_refuses_bad_counts() -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "--concurrency must be at least 1" in done.stderr
+
+
+def test_the_rehearsal_splits_vllms_jit_warnings_at_ready() -> None:
+    """The H200's first Cog runs (committed logs): the top-k/top-p kernel compiled after READY,
+    in the first 32-prediction wave; the rehearsal's JSON says so, and where it happened."""
+    from bench.cog_rehearsal import jit_compiles
+
+    for run in ("run1", "run2"):
+        found = jit_compiles(ROOT / "bench" / "results-h200" / "cog" / run / "coglet.log")
+        assert found == {"setup": [], "after_ready": ["_topk_topp_kernel"]}, (run, found)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import pytest
 
 from shared.engine import Engine, EngineInfo, SamplingRequest, VLLMEngine
 from shared.errors import EngineUnavailable
-from shared.lifecycle import EngineLifecycle, first_token, warm_up
+from shared.lifecycle import SAMPLER_TRITON_MIN_ROWS, EngineLifecycle, first_token, warm_up
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers
 
@@ -57,6 +58,36 @@ def test_the_lifecycle_on_the_real_engine(live: LiveServers) -> None:
     assert lifecycle.engine is None and live.engine.healthy()  # stop closed only what it opened
 
 
+def test_warm_up_runs_each_top_k_top_p_sampler_path_with_enough_rows(
+    live: LiveServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's GPU sampler compiles a Triton kernel per (top-k on, top-p on) pair the first time a
+    step samples >= 8 such rows (~7 s on the H200, inside the first burst of Cog predictions).
+    The warm-up must put that many of each pair in the real engine at once. Counted at the
+    engine's door, on the real CPU engine (which itself has no Triton: the compile is GPU-only)."""
+    engine = live.engine
+    plain = engine.generate
+    in_flight: Counter[tuple[bool, bool]] = Counter()
+    peak: Counter[tuple[bool, bool]] = Counter()
+
+    async def counting(request_id: str, request: SamplingRequest) -> AsyncIterator[Any]:
+        sampled = request.temperature > 0
+        pair = (sampled and bool(request.top_k), sampled and request.top_p < 1)
+        in_flight[pair] += 1
+        peak[pair] = max(peak[pair], in_flight[pair])
+        try:
+            async for delta in plain(request_id, request):
+                yield delta
+        finally:
+            in_flight[pair] -= 1
+
+    monkeypatch.setattr(engine, "generate", counting)
+    live.call(warm_up(engine, ENGINE_SETTINGS))
+    for pair in ((True, True), (True, False), (False, True)):
+        assert peak[pair] >= SAMPLER_TRITON_MIN_ROWS, (pair, dict(peak))
+    assert live.engine.running_requests() == 0
+
+
 # --- a stand-in AsyncLLM that really sleeps -----------------------------------------------------
 class SleepyLLM:
     """Just enough of AsyncLLM for VLLMEngine, with sleep mode on and a wake-up that can fail."""
@@ -81,7 +112,9 @@ class SleepyLLM:
             raise self.wake_error
         self.sleeping = False
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, lora_request: Any = None
+    ) -> AsyncIterator[Any]:
         assert not self.sleeping, "a request reached a sleeping engine"
         self.generated += 1
         completion = SimpleNamespace(text="x", token_ids=[7], finish_reason="length", index=0)
