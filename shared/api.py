@@ -19,6 +19,7 @@ from shared.errors import (
     BundleError,
     Cancelled,
     EngineUnavailable,
+    Forbidden,
     InvalidRequest,
     NotFound,
     Overloaded,
@@ -140,6 +141,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
+        _check_adapter_routes_guarded(settings)
         body = parse_request(LoadAdapterRequest, await _read_json(request, settings))
         adapter = await _service(request).adapters.load(body.lora_name, body.lora_path)
         # vLLM's own answer, word for word: its clients read the status, some the text.
@@ -147,6 +149,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
+        _check_adapter_routes_guarded(settings)
         body = parse_request(UnloadAdapterRequest, await _read_json(request, settings))
         adapter = await _service(request).adapters.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' removed successfully.")
@@ -168,6 +171,19 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         request_id = parse_request_id(request_id, param="request_id") or ""
         outcome = await _service(request).cancel(request_id)
         return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
+
+
+def _check_adapter_routes_guarded(settings: Settings) -> None:
+    """The adapter routes make the server read a path or fetch a URL that the caller names, so
+    they are served only behind an API key (vLLM's own server keeps them off unless an
+    environment variable allows them): without one, anyone who can reach the port could probe
+    the file system or make the server fetch from its private network."""
+    if settings.api_key is None:
+        raise Forbidden(
+            "loading adapters at runtime needs BUNDLE_API_KEY: the route reads paths and fetches "
+            "URLs that the caller names",
+            code="api_key_required",
+        )
 
 
 def _service(request: Request) -> Service:

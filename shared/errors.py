@@ -47,6 +47,12 @@ class Unauthorized(BundleError):
     code = "invalid_api_key"
 
 
+class Forbidden(BundleError):
+    status_code = 403
+    error_type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(BundleError):
     status_code = 404
     error_type = "invalid_request_error"

@@ -303,6 +303,20 @@ def test_the_adapter_routes_need_the_api_key(server: tuple[str, Service], adapte
     assert httpx.post(f"{server[0]}/v1/unload_lora_adapter", json={"lora_name": "alpha"}).status_code == 401
 
 
+def test_a_server_without_an_api_key_refuses_the_adapter_routes(
+    lora_live: LiveServers, adapters: dict[str, Path]
+) -> None:
+    """Without BUNDLE_API_KEY nothing guards them, and they read paths and fetch URLs the caller
+    names: 403, nothing loaded; adapters loaded at start still serve."""
+    url, _ = lora_live.serve()
+    body = {"lora_name": "beta", "lora_path": str(adapters["beta"])}
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        reply = httpx.post(f"{url}{route}", json=body)
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "api_key_required", reply.text
+    names = {card["id"] for card in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert "alpha" in names and "beta" not in names
+
+
 # --- adapters from URLs, and Cog's input ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def file_server(tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, Path]) -> Iterator[str]:
