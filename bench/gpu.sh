@@ -15,6 +15,11 @@
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
 #        -d .whl pydantic-settings==2.11.0 python-dotenv==1.1.1 orjson==3.11.3 py-spy==0.4.1
+#      and the deploy images' HTTP parser and event loop (the GPU image has neither httptools nor
+#      uvloop 0.23; without them uvicorn falls back to h11, whose per-event `send` was a quarter of
+#      the server's CPU at 256 streams: bench/results-h200/profile/summary-c256.txt):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl httptools==0.9.0 uvloop==0.23.0
 #   2. for each chunk: run(carry=[".gpu/cNN"], "mkdir -p /tmp/wh && mv .gpu/cNN/* /tmp/wh/")
 #   3. run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh raw")   # ~4-5 min, fills the compile cache
 #   4. run("bash bench/gpu.sh bundle")         # ~4 min  } the three-target table, same engine flags,
@@ -85,7 +90,14 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
-machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build"
+# The HTTP stack every server target ran on (uvicorn picks httptools and uvloop when installed,
+# as the deploy images install them: shared/requirements-deploy.txt), named in each report.
+stack=$(python3 -c 'import importlib.metadata as m
+def v(p):
+    try: return f"{p} {m.version(p)}"
+    except m.PackageNotFoundError: return f"no {p}"
+print(", ".join(v(p) for p in ("uvicorn", "httptools", "uvloop")))')
+machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build, $stack"
 # Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
 # result folders (bench-c8, ...) so that two counts can be run side by side and compared.
 clients=${BENCH_CLIENTS:-4}
