@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
+from pydantic_settings import BaseSettings
 
 from modal_app.settings import ModalSettings
 from shared.settings import Section, Settings
@@ -50,7 +51,7 @@ TEST_ONLY_VARIABLES = frozenset({"BUNDLE_TESTS_WITHOUT_ENGINE"})
 DOCUMENTS = ("README.md", "docs/*.md", "cog.yaml", "bench/gpu.sh")
 
 
-def env_name(settings_class: type, name: str) -> str:
+def env_name(settings_class: type[BaseSettings], name: str) -> str:
     """The variable pydantic-settings reads for field `name` (an alias, if any, wins)."""
     alias = settings_class.model_fields[name].validation_alias
     if isinstance(alias, str):
@@ -59,7 +60,7 @@ def env_name(settings_class: type, name: str) -> str:
     return f"{settings_class.model_config['env_prefix']}{name}".upper()
 
 
-def sections() -> dict[type, tuple[str, ...]]:
+def sections() -> dict[type[Section], tuple[str, ...]]:
     return {base: tuple(base.model_fields) for base in Settings.__bases__ if issubclass(base, Section)}
 
 
