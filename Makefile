@@ -39,7 +39,7 @@ serve: $(STAMP)
 # the engine-free tests, i.e. the scripted-engine units, the HTTP layer's hostile-input tests (the
 # ones needing the real engine skip under BUNDLE_TESTS_WITHOUT_ENGINE) and the cost model, less
 # those marked `slow`. New tests in these files join it unless marked `slow`.
-CHECK_TESTS ?= tests/test_core_units.py tests/test_hostile.py $(wildcard tests/test_cost_model*.py)
+CHECK_TESTS ?= tests/test_core_units.py tests/test_hostile.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
 check: $(STAMP)
 	$(PY) -m ruff check shared modal_app cost_model cog bench tests
 	$(PY) -m mypy cost_model

@@ -3,6 +3,26 @@
 Each field maps to an environment variable with the ``BUNDLE_`` prefix (``model`` is
 ``BUNDLE_MODEL``). Tests and wrappers build ``Settings(...)`` with keyword overrides instead of
 touching ``os.environ``.
+
+Sections. The fields are grouped by what they govern, one small class per group (``Engine``,
+``Limits``, ``Identity``, ...), and ``Settings`` inherits them all. The result is still one flat
+object: ``settings.max_num_seqs``, ``BUNDLE_MAX_NUM_SEQS``, ``model_fields_set`` and
+``model_copy(update=...)`` work as before. Nested models (``settings.engine.max_num_seqs``) were
+not chosen: pydantic-settings would name their variables ``BUNDLE_ENGINE__MAX_NUM_SEQS`` unless
+each field carried an alias, every reader across the code would change, and "was this set
+explicitly?" (presets, ``deploy_env``) would have to walk several ``model_fields_set``. A field
+added outside a section is caught by tests/test_settings.py.
+
+Units. Every duration's name ends in its unit, and the unit is seconds (``_s``, floats), except:
+
+- ``retry_after_s`` and ``keep_alive_s`` are whole seconds (ints): HTTP's Retry-After header takes
+  an integer, and so does uvicorn's keep-alive timeout.
+- ``redis_write_window_ms`` and ``stream_coalesce_ms`` are milliseconds. Their variables
+  (``BUNDLE_REDIS_WRITE_WINDOW_MS``, ``BUNDLE_STREAM_COALESCE_MS``) are in deploys and in the
+  docs, and a value must keep meaning what its name says: in seconds, a deploy's
+  ``..._MS=10`` would become a 10 s window. A seconds twin under another name was not added
+  either: two variables for one knob, and a mistyped ``_S`` would be ignored silently
+  (unknown variables are). Their readers divide by 1000 where they use them.
 """
 
 from __future__ import annotations
@@ -11,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/tiny_model.py
@@ -21,10 +41,13 @@ def _default_cache_dir() -> Path:
     return Path.home() / ".cache" / "vllm-serverless-bundle"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BUNDLE_", extra="ignore", frozen=True)
+class Section(BaseModel):
+    """A group of settings. Only `Settings`, which inherits every section, is ever built."""
 
-    # --- what is served -------------------------------------------------------------------
+
+class ServedModel(Section):
+    """What is served, and where local files go."""
+
     model: str = Field(
         TINY_MODEL,
         description="'tiny' (random-weight local test model), a Hugging Face id or a local path.",
@@ -33,19 +56,40 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Name clients send as `model`; defaults to BUNDLE_MODEL."
     )
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="Where the tiny model is built and downloaded weights and adapters are unpacked.",
+    )
     tiny_model_shape: Literal["tiny", "llama3-8b"] = Field(
         "tiny", description="Shape of the built-in model: 'llama3-8b' is config-only (dummy load)."
     )
-    tiny_model_seed: int = 0
+    tiny_model_seed: int = Field(0, description="Seed of the built-in model's random weights.")
 
-    # --- engine arguments (passed to vLLM's AsyncEngineArgs) -------------------------------
+    @property
+    def model_name(self) -> str:
+        """The name clients use in the `model` field."""
+        return self.served_model_name or self.model
+
+    @property
+    def uses_tiny_model(self) -> bool:
+        return self.model == TINY_MODEL
+
+
+class Engine(Section):
+    """vLLM's engine arguments (AsyncEngineArgs); unset means vLLM's own default."""
+
     preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
         None,
         description="Named engine knobs (shared/presets.py); an engine field set explicitly wins.",
     )
-    dtype: str = "auto"
-    max_model_len: int | None = None
+    dtype: str = Field(
+        "auto",
+        description="vLLM's weight and compute dtype. 'auto': the checkpoint's, but float32 for the "
+        "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine.py).",
+    )
+    max_model_len: int | None = Field(
+        None, description="Longest sequence (prompt + output) in tokens. Unset: the model's own."
+    )
     gpu_memory_utilization: float | None = Field(
         None,
         gt=0,
@@ -56,12 +100,21 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = Field(
         None, description="Skip CUDA graphs/compile. Unset: True on CPU (20 s start vs 50 s)."
     )
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool | None = None
-    block_size: int | None = Field(None, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    quantization: str | None = None
+    max_num_seqs: int = Field(
+        256,
+        ge=1,
+        description="Most sequences in one engine batch; also Modal's inputs per container unless "
+        "BUNDLE_MODAL_MAX_INPUTS is set.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Most tokens (prefill and decode) in one engine step."
+    )
+    enable_prefix_caching: bool | None = Field(
+        None, description="Reuse the KV cache of shared prompt prefixes. Unset: vLLM's (on in V1)."
+    )
+    block_size: int | None = Field(None, ge=1, description="KV cache block size, in tokens.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine is split over.")
+    quantization: str | None = Field(None, description="vLLM's quantization method, e.g. 'fp8'.")
     speculative_config: dict[str, Any] | None = Field(
         None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.'
     )
@@ -74,18 +127,41 @@ class Settings(BaseSettings):
         "so a cap at max_num_seqs slows sustained load (see README, cold start). "
         "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
     )
-    stream_interval: int | None = Field(
-        None,
-        ge=1,
-        description="Output tokens vLLM gathers per streamed delta after the first (which is "
-        "always sent at once, as is the last). Unset: vLLM's default, 1 (every token its own SSE "
-        "event). A larger value cuts the API process's per-token work, which shares the event "
-        "loop with request admission; streams then arrive in chunks of this many tokens.",
+    trust_remote_code: bool = Field(
+        False, description="Let a Hugging Face model run the Python code in its repository."
     )
-    trust_remote_code: bool = False
-    engine_seed: int = 0
+    engine_seed: int = Field(0, description="vLLM's global random seed.")
 
-    # --- sleep mode (GPU memory snapshots) ---------------------------------------------------
+    @field_validator("preset", mode="before")
+    @classmethod
+    def _no_preset(cls, value: Any) -> Any:
+        # BUNDLE_PRESET= or BUNDLE_PRESET=none: no preset, even where a deploy defaults to one.
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_json(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip():
+            return json.loads(value)
+        return value or None
+
+
+class Outputs(Section):
+    """How OpenAI's structured output and tool calls map onto vLLM."""
+
+    compact_json: bool = Field(
+        True, description="Structured output without free whitespace (vLLM's disable_any_whitespace)."
+    )
+    tool_call_parser: str = Field(
+        "llama3_json",
+        description="vLLM tool parser for tool_choice 'auto' ('llama3_json' fits the default Llama "
+        "3.1 Instruct and the tiny model; 'hermes' fits Hermes/Qwen <tool_call> tags).",
+    )
+
+
+class Lifecycle(Section):
+    """Sleep mode (GPU memory snapshots) and shutdown."""
+
     sleep_mode: bool = Field(
         False,
         description="Start vLLM with sleep mode (CUDA only; ignored on the CPU build) so the "
@@ -95,14 +171,23 @@ class Settings(BaseSettings):
     wake_wait_s: float = Field(
         30.0,
         gt=0,
-        description="How long a request that arrives while the engine sleeps waits for "
+        description="Seconds a request that arrives while the engine sleeps waits for "
         "the wake-up before it fails with 503.",
     )
     wake_slow_s: float = Field(
-        5.0, gt=0, description="A wake-up slower than this is logged as a warning with its phases."
+        5.0, gt=0, description="A wake-up slower than this (seconds) is logged as a warning with its phases."
+    )
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds running streams get to finish after SIGTERM; then they end with a "
+        "'server shutting down' error event. Keep it inside the platform's kill grace.",
     )
 
-    # --- LoRA adapters (shared/lora.py) -------------------------------------------------------
+
+class Lora(Section):
+    """LoRA adapters (shared/lora.py)."""
+
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters beside the base model; a request picks one by `model`."
     )
@@ -133,114 +218,6 @@ class Settings(BaseSettings):
         None, description="Where adapters from URLs are unpacked once. Unset: <cache_dir>/lora."
     )
 
-    # --- API -------------------------------------------------------------------------------
-    api_key: SecretStr | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    log_level: str = "info"
-    access_log: bool = Field(
-        True,
-        description="uvicorn's one line per request. Off in the benchmark, as for vLLM's server there "
-        "(--disable-uvicorn-access-log): it costs the event loop ~20-50 us per request, on the path "
-        "to every first token.",
-    )
-
-    # --- request limits --------------------------------------------------------------------
-    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask.")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none.")
-    max_prompt_tokens: int = Field(8192, ge=1)
-    max_body_bytes: int = Field(1_048_576, ge=1024)
-    max_in_flight: int = Field(512, ge=1, description="Generations admitted at once; then 429.")
-    max_n: int = Field(8, ge=1, description="Most choices (`n`) one request may ask for.")
-    compact_json: bool = Field(
-        True, description="Structured output without free whitespace (vLLM's disable_any_whitespace)."
-    )
-    tool_call_parser: str = Field(
-        "llama3_json",
-        description="vLLM tool parser for tool_choice 'auto' ('llama3_json' fits the default Llama "
-        "3.1 Instruct and the tiny model; 'hermes' fits Hermes/Qwen <tool_call> tags).",
-    )
-    retry_after_s: int = Field(1, ge=0)
-
-    # --- hostile clients and process lifetime (see shared/http_limits.py) --------------------
-    max_header_count: int = Field(100, ge=16, description="Headers one request may carry; then 431.")
-    max_header_bytes: int = Field(
-        32_768, ge=4096, description="Request line plus headers, in bytes; then 431 (before auth)."
-    )
-    header_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="Time a connection has to deliver a request's headers, and then a body of up to "
-        "256 KiB; then 408.",
-    )
-    keep_alive_s: int = Field(30, ge=1, description="Idle keep-alive connections close after this.")
-    shutdown_grace_s: float = Field(
-        10.0,
-        ge=0,
-        description="After SIGTERM, running streams get this long to finish; then they end with a "
-        "'server shutting down' error event. Keep it inside the platform's kill grace.",
-    )
-
-    # --- request identity, resume and disconnects -------------------------------------------
-    disconnect_grace_s: float = Field(
-        30.0, ge=0, description="How long a generation with X-Request-Id outlives its clients."
-    )
-    retention_s: float = Field(300.0, ge=0, description="How long finished results are replayable.")
-    max_held_requests: int = Field(4096, ge=1, description="Finished results kept for replay.")
-    max_events_per_request: int = Field(
-        16384, ge=16, description="Replay buffer per generation; older events are dropped."
-    )
-    request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation.")
-    redis_url: SecretStr | None = Field(
-        None,
-        description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
-        "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
-    )
-    redis_write_window_ms: float = Field(
-        10.0,
-        ge=0,
-        le=1000,
-        description="The events of shared streams are written to the store together, at most once "
-        "per this window: fewer round trips per token, and followers on other replicas see events "
-        "up to this much later (0: one write per event-loop turn).",
-    )
-
-    engine_stats_file: Path | None = Field(
-        None, description="If set, the engine's running-request count is written here (JSON)."
-    )
-    engine_stats_interval_s: float = Field(0.05, gt=0)
-
-    # --- streaming -------------------------------------------------------------------------
-    stream_coalesce_ms: float = Field(
-        0.0,
-        ge=0,
-        description="Wait up to this long to pack several token events into one write "
-        "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
-    )
-    stream_batch_at: int | None = Field(
-        None,
-        ge=1,
-        description="While at least this many generations run on this replica, streams get "
-        "their tokens in pairs after the first. Where vLLM takes a per-request stream interval (0.32 "
-        "on), a generation admitted then asks it for 2 tokens per output: half of vLLM's own "
-        "output work per token, and of the bundle's. On an older vLLM a stream instead waits "
-        "for two new events per write after its first two: half the event loop's wake-ups and "
-        "socket writes, the SSE events themselves unchanged. Unset: every token as it is made.",
-    )
-
-    @field_validator("preset", mode="before")
-    @classmethod
-    def _no_preset(cls, value: Any) -> Any:
-        # BUNDLE_PRESET= or BUNDLE_PRESET=none: no preset, even where a deploy defaults to one.
-        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
-
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _parse_json(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip():
-            return json.loads(value)
-        return value or None
-
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _parse_modules(cls, value: Any) -> Any:
@@ -257,23 +234,145 @@ class Settings(BaseSettings):
             raise ValueError("BUNDLE_LORA_MODULES takes JSON or name=source pairs separated by commas")
         return {name.strip(): source.strip() for name, _, source in pairs}
 
+
+class Server(Section):
+    """The HTTP listener, its key, and its bounds on hostile clients (shared/http_limits.py)."""
+
+    api_key: SecretStr | None = Field(
+        None, description="When set, every route but /health needs `Authorization: Bearer <key>`."
+    )
+    host: str = Field("127.0.0.1", description="Address `python -m shared.serve` listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port it listens on.")
+    max_header_count: int = Field(100, ge=16, description="Headers one request may carry; then 431.")
+    max_header_bytes: int = Field(
+        32_768, ge=4096, description="Request line plus headers, in bytes; then 431 (before auth)."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a connection has to deliver a request's headers, and then a body of up "
+        "to 256 KiB; then 408.",
+    )
+    keep_alive_s: int = Field(
+        30, ge=1, description="Idle keep-alive connections close after this many whole seconds."
+    )
+
+
+class Limits(Section):
+    """What one request may ask for, and how many run at once."""
+
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request sets none.")
+    max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt in tokens; then 400.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body in bytes; then 413.")
+    max_n: int = Field(8, ge=1, description="Most choices (`n`) one request may ask for.")
+    max_in_flight: int = Field(512, ge=1, description="Generations admitted at once; then 429.")
+    retry_after_s: int = Field(
+        1, ge=0, description="Retry-After of a 429, in whole seconds (the header takes an integer)."
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation, in seconds.")
+
+
+class Identity(Section):
+    """Request identity (X-Request-Id): de-duplication, replay, resume and disconnects."""
+
+    disconnect_grace_s: float = Field(
+        30.0, ge=0, description="Seconds a generation with X-Request-Id outlives its clients."
+    )
+    retention_s: float = Field(300.0, ge=0, description="Seconds finished results stay replayable.")
+    max_held_requests: int = Field(4096, ge=1, description="Finished results kept for replay.")
+    max_events_per_request: int = Field(
+        16384, ge=16, description="Replay buffer per generation; older events are dropped."
+    )
+    redis_url: SecretStr | None = Field(
+        None,
+        description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
+        "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
+    )
+    # Milliseconds, not seconds: see the module's docstring.
+    redis_write_window_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="Milliseconds. The events of shared streams are written to the store together, "
+        "at most once per this window: fewer round trips per token, and followers on other "
+        "replicas see events up to this much later (0: one write per event-loop turn).",
+    )
+
     @field_validator("redis_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
-    @property
-    def model_name(self) -> str:
-        """The name clients use in the `model` field."""
-        return self.served_model_name or self.model
+
+class Streaming(Section):
+    """How tokens reach a streaming client, in how many events and writes."""
+
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Output tokens vLLM gathers per streamed delta after the first (which is "
+        "always sent at once, as is the last). Unset: vLLM's default, 1 (every token its own SSE "
+        "event). A larger value cuts the API process's per-token work, which shares the event "
+        "loop with request admission; streams then arrive in chunks of this many tokens.",
+    )
+    # Milliseconds, not seconds: see the module's docstring.
+    stream_coalesce_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Milliseconds to wait to pack several token events into one write "
+        "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
+    )
+    stream_batch_at: int | None = Field(
+        None,
+        ge=1,
+        description="While at least this many generations run on this replica, streams get "
+        "their tokens in pairs after the first. Where vLLM takes a per-request stream interval (0.32 "
+        "on), a generation admitted then asks it for 2 tokens per output: half of vLLM's own "
+        "output work per token, and of the bundle's. On an older vLLM a stream instead waits "
+        "for two new events per write after its first two: half the event loop's wake-ups and "
+        "socket writes, the SSE events themselves unchanged. Unset: every token as it is made.",
+    )
+
+
+class Observability(Section):
+    """Logs and the engine stats file."""
+
+    log_level: str = Field("info", description="Level of uvicorn's and the bundle's own logs.")
+    access_log: bool = Field(
+        True,
+        description="uvicorn's one line per request. Off in the benchmark, as for vLLM's server there "
+        "(--disable-uvicorn-access-log): it costs the event loop ~20-50 us per request, on the path "
+        "to every first token.",
+    )
+    engine_stats_file: Path | None = Field(
+        None, description="If set, the engine's running-request count is written here (JSON)."
+    )
+    engine_stats_interval_s: float = Field(
+        0.05, gt=0, description="Seconds between rewrites of the engine stats file."
+    )
+
+
+class Settings(
+    ServedModel,
+    Engine,
+    Outputs,
+    Lifecycle,
+    Lora,
+    Server,
+    Limits,
+    Identity,
+    Streaming,
+    Observability,
+    BaseSettings,
+):
+    """Every section above, read from BUNDLE_* variables. Add a field to its section, not here."""
+
+    model_config = SettingsConfigDict(env_prefix="BUNDLE_", extra="ignore", frozen=True)
 
     @property
     def lora_dir(self) -> Path:
         return self.lora_cache_dir or self.cache_dir / "lora"
-
-    @property
-    def uses_tiny_model(self) -> bool:
-        return self.model == TINY_MODEL
 
     def with_default_model(self, model: str, revision: str | None) -> Settings:
         """These settings, serving `model` at `revision` unless BUNDLE_MODEL was given.
