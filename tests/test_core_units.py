@@ -72,7 +72,8 @@ async def test_same_id_with_another_body_is_a_conflict() -> None:
     with pytest.raises(IdempotencyConflict):
         await service.open("chat", chat(temperature=0.5), "x")
     with pytest.raises(IdempotencyConflict):
-        await service.open("completion", parse_request(CompletionRequest, {"model": "tiny", "prompt": "a"}), "x")
+        completion = parse_request(CompletionRequest, {"model": "tiny", "prompt": "a"})
+        await service.open("completion", completion, "x")
 
 
 async def test_an_anonymous_reader_leaving_aborts_at_once() -> None:
