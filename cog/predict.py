@@ -38,9 +38,7 @@ import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
 from shared import child_output
 from shared import cog_bridge as bridge
-from shared.engine import open_engine
-from shared.lifecycle import warm_up
-from shared.service import Service
+from shared.assembly import start_service
 
 bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
 # Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
@@ -57,12 +55,11 @@ class Runner(BaseRunner):
         bridge.send_core_logs_to_stderr()  # the download's progress reaches the setup log
         settings = await asyncio.to_thread(bridge.runner_settings, weights)
         self._stack = contextlib.AsyncExitStack()
-        engine = await self._stack.enter_async_context(open_engine(settings))
-        # Before READY: the first users must not pay for first-use compiles. On the H200 the
-        # first 32-prediction wave waited ~7 s for vLLM's top-k/top-p Triton kernel, which
-        # Cog's default inputs need (shared/lifecycle.py, SAMPLED_WAVES; docs/cog.md).
-        await warm_up(engine, settings)
-        self.service = Service(settings, engine)
+        # The core's one assembly, as the HTTP server's: engine, death guard and watchdog, loop
+        # lag, identity (shared across instances with BUNDLE_REDIS_URL), and the warm-up before
+        # READY: on the H200 the first 32-prediction wave waited ~7 s for vLLM's top-k/top-p
+        # Triton kernel without it, which Cog's default inputs need (docs/cog.md).
+        self.service = await self._stack.enter_async_context(start_service(settings))
         self.loop = asyncio.get_running_loop()
 
     def healthcheck(self) -> bool:

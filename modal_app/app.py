@@ -33,7 +33,9 @@ functions that return their coroutine only inside a container (`in_container`): 
 runs it on the serving loop, before the snapshot (start the engine, warm it up, put it to
 sleep) and after each restore (wake it; a failed wake raises, and Modal ends the container so
 that it is replaced).
-The app's lifespan then takes that engine (`EngineLifecycle.engine_factory`). Under `.local()`
+The app's lifespan then assembles the service on that engine (`EngineLifecycle.engine_factory`
+into `shared.assembly.start_service`, the one assembly the Cog runner uses too), without warming
+it a second time. Under `.local()`
 the hooks do nothing and the same lifespan starts an engine itself, on uvicorn's loop. With
 snapshots off there are no hooks at all and the lifespan always starts the engine. Either way
 the asleep engine is woken before the first request: the restore hook finishes before Modal
@@ -215,7 +217,7 @@ class Server:
         # Modal ran the lifespan shutdown before this hook: in-flight generations are aborted.
         # An engine the snapshot hook started is closed here, on the same loop.
         log.info("container stopping")
-        if self.lifecycle is None or self.lifecycle.engine is None:
+        if self.lifecycle is None or not self.lifecycle.started:
             return None
         return in_container(self.lifecycle.stop)
 

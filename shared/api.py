@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from shared.assembly import EngineFactory, start_service
 from shared.engine import Engine, open_engine
 from shared.errors import (
     BundleError,
@@ -35,7 +36,7 @@ from shared.headers import (
     parse_last_event_id,
     parse_request_id,
 )
-from shared.loop_lag import watch_loop_lag
+from shared.identity import Subscription
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,15 +44,11 @@ from shared.protocol import (
     UnloadAdapterRequest,
     parse_request,
 )
-from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
-from shared.service import Service, Subscription
+from shared.server_state import ExitRequest, Lifecycle
+from shared.service import Service
 from shared.settings import Settings
 from shared.streaming import Kind
 
-if TYPE_CHECKING:
-    from shared.replicas import Opened
-
-EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 PUBLIC_PATHS = frozenset({"/health"})
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SERVER_SEND_KEY = "bundle.server_send"  # the server's own ASGI send, in the scope (BundleApp)
@@ -64,8 +61,9 @@ def create_app(
     engine_factory: EngineFactory = open_engine,
     request_exit: ExitRequest | None = None,
 ) -> FastAPI:
-    """Build the app. With `engine`, the caller owns its lifetime (Modal's enter/exit hooks);
-    otherwise the app's lifespan opens one with `engine_factory` and shuts it down after.
+    """Build the app. With `engine`, the caller owns its lifetime and warm-up (tests sharing one
+    engine); otherwise the app's lifespan opens one with `engine_factory`, warms it up unless
+    BUNDLE_WARM_UP=0 (or it was warmed before a snapshot), and shuts it down after.
     `request_exit(code)` is called when the engine has died and the in-flight streams have been
     told: the server should then exit with that code (see shared/server_state.py)."""
     settings = settings or Settings()
@@ -73,11 +71,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if engine is not None:
-            async with _serving(app, settings, engine, lifecycle):
-                yield
-            return
-        async with engine_factory(settings) as opened, _serving(app, settings, opened, lifecycle):
+        # The one assembly (shared/assembly.py): engine, warm-up, guard, watchdog, loop lag.
+        assembled = start_service(settings, engine=engine, engine_factory=engine_factory, lifecycle=lifecycle)
+        async with assembled as service:
+            app.state.service = service
             yield
 
     app = BundleApp(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -92,34 +89,6 @@ def create_app(
     return app
 
 
-@asynccontextmanager
-async def _serving(
-    app: FastAPI, settings: Settings, engine: Engine, lifecycle: Lifecycle
-) -> AsyncIterator[None]:
-    """The service on this engine for the app's lifetime, with the engine-death watchdog."""
-    service = Service(settings, GuardedEngine(engine, lifecycle))
-    _export_held_requests(service)
-    app.state.service = service
-    watchdog = asyncio.create_task(lifecycle.watch(service))
-    lag_watch = asyncio.create_task(watch_loop_lag(service.metrics.event_loop_lag))
-    try:
-        yield
-    finally:
-        watchdog.cancel()
-        lag_watch.cancel()
-        lifecycle.close()
-        await service.aclose()
-
-
-def _export_held_requests(service: Service) -> None:
-    """Requests held for dedup/replay, read at scrape time: what a leak check (bench/soak.py)
-    needs from outside besides the running gauges."""
-    from prometheus_client import Gauge
-
-    held = Gauge("bundle_held_requests", "Requests held by X-Request-Id.", registry=service.metrics.registry)
-    held.set_function(lambda: float(service.stats()["held_requests"]))
-
-
 # --- routes -------------------------------------------------------------------------------------
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
@@ -132,7 +101,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        body = _service(request).metrics.exposition()
+        body = _service(request).metrics_text()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -235,13 +204,13 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     # SSE `id:` lines only for a client that asked for SSE proper (shared/headers.py says why).
     event_ids = accepts_event_stream(request.headers.get("accept"))
     last_event_id = _last_event_id(request)
-    subscription = await service.open_shared(kind, body, request_id, last_event_id, event_ids=event_ids)
+    subscription = await service.open(kind, body, request_id, last_event_id, event_ids=event_ids)
     try:
         await subscription.admitted()  # bad input found while rendering is a 4xx, never a 200
     except BaseException:
         subscription.close()
         raise
-    service.metrics.admission.observe(admission_seconds(request.scope))
+    service.record_admission(admission_seconds(request.scope))
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)
@@ -256,7 +225,7 @@ def _last_event_id(request: Request) -> int | None:
 
 
 async def _whole_response(
-    request: Request, subscription: Subscription | Opened, headers: dict[str, str]
+    request: Request, subscription: Subscription, headers: dict[str, str]
 ) -> Response:
     """Wait for the whole body, or for the client to leave: then close at once, so an anonymous
     generation is aborted now (one with an id gets the grace window, as streams do)."""
@@ -394,4 +363,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _count_rejection(request: Request, status: int) -> None:
     service = getattr(request.app.state, "service", None)
     if service is not None:
-        service.metrics.rejected_requests.labels(str(status)).inc()
+        service.count_rejection(status)

@@ -103,13 +103,6 @@ def runner_settings(weights: str | None, base: Settings | None = None) -> Settin
     update: dict[str, Any] = {"default_max_tokens": min(DEFAULT_MAX_TOKENS, settings.max_tokens_limit)}
     if weights:
         update["model"] = resolve_weights(str(weights), settings.cache_dir)
-    if settings.redis_url is not None:
-        # Predictions open generations through `Service.open`, this process's registry: the
-        # shared store's follow-across-replicas path serves HTTP only so far (issue 29).
-        log.warning(
-            "BUNDLE_REDIS_URL is set, but a Cog prediction's request_id is matched within this "
-            "container only: a repeat that reaches another instance starts a second generation"
-        )
     return settings.model_copy(update=update)
 
 
@@ -422,7 +415,9 @@ async def start_generation(
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     with cog_input_names(template=kind == "completion"):
         _check_engine_alive(service)
-        subscription = service.open(kind, body, request_id or None)
+        # Through the one door: with BUNDLE_REDIS_URL a request_id that another instance (Cog or
+        # HTTP) claimed follows that generation, as an HTTP request does.
+        subscription = await service.open(kind, body, request_id or None)
         try:
             await subscription.admitted()
         except BaseException:
@@ -525,4 +520,4 @@ def engine_metrics(service: Service) -> dict[str, int]:
     caller (or a test) can use to see that a cancelled prediction left nothing running. After
     the engine died it is 0 (`Engine.running_requests`): nothing runs any more.
     """
-    return {"engine_running_requests": service.engine.running_requests()}
+    return {"engine_running_requests": service.running_requests()}

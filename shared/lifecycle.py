@@ -17,6 +17,7 @@ import logging
 import random
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ SAMPLER_TRITON_MIN_ROWS = 8
 SAMPLED_WAVES: tuple[tuple[int | None, float], ...] = ((50, 0.9), (50, 1.0), (None, 0.9))  # (top_k, top_p)
 
 
+# Engines warmed in this process: Modal's snapshot hook warms its engine before the snapshot,
+# and the service assembled on it after the restore (shared/assembly.py) must not warm it again.
+_warmed: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 @dataclass(frozen=True)
 class WakeReport:
     wake_up_s: float  # vLLM's wake_up(): weights back on the GPU, KV cache re-allocated
@@ -71,9 +77,11 @@ class EngineLifecycle:
         return self.engine
 
     async def prepare_for_snapshot(self) -> None:
-        """Start, warm up, sleep: what runs once before a memory snapshot is taken."""
+        """Start, warm up (unless BUNDLE_WARM_UP=0), sleep: what runs once before a memory
+        snapshot is taken. The service assembled on this engine later does not warm it again."""
         engine = await self.start()
-        await warm_up(engine, self.settings)
+        if self.settings.warm_up:
+            await warm_up_once(engine, self.settings)
         await self.sleep()
 
     async def sleep(self) -> float:
@@ -107,6 +115,11 @@ class EngineLifecycle:
             log.info("awake in %.2f s (first token %.3f s)", report.total_s, report.first_token_s)
         return report
 
+    @property
+    def started(self) -> bool:
+        """Whether an engine was started here (and is not stopped yet)."""
+        return self.engine is not None
+
     async def stop(self) -> None:
         self.engine = None
         await self._stack.aclose()
@@ -125,6 +138,15 @@ class EngineLifecycle:
         if self.engine is None:
             raise EngineUnavailable("the engine was never started")
         return self.engine
+
+
+async def warm_up_once(engine: Engine, settings: Settings) -> None:
+    """`warm_up`, unless this engine was warmed already in this process."""
+    if engine in _warmed:
+        log.info("warm-up: this engine was warmed already (before the snapshot)")
+        return
+    await warm_up(engine, settings)
+    _warmed.add(engine)
 
 
 async def warm_up(engine: Engine, settings: Settings) -> None:

@@ -56,9 +56,13 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        # Counted here, read by the gauge and by the engine-death watchdog (which must not
+        # reach into a Prometheus object's private value).
+        self.streams_read = 0
         self.active_streams = Gauge(
             "bundle_active_streams", "Client connections currently reading a stream.", registry=r
         )
+        self.active_streams.set_function(lambda: float(self.streams_read))
         self.queued_requests = Gauge(
             "bundle_queued_requests", "Generations admitted that have no token yet.", registry=r
         )
@@ -138,6 +142,18 @@ class Metrics:
             buckets=_STORE_BUCKETS,
             registry=r,
         )
+
+    def stream_started(self) -> None:
+        self.streams_read += 1
+
+    def stream_ended(self) -> None:
+        self.streams_read -= 1
+
+    def watch_held(self, held_requests: Callable[[], int]) -> None:
+        """Requests held for dedup/replay, read at scrape time: what a leak check (bench/soak.py)
+        needs from outside besides the running gauges."""
+        held = Gauge("bundle_held_requests", "Requests held by X-Request-Id.", registry=self.registry)
+        held.set_function(lambda: float(held_requests()))
 
     def watch_engine(self, running_requests: Callable[[], int]) -> None:
         """Read the engine's own count at scrape time, so the gauge is never stale."""

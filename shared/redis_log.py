@@ -36,12 +36,15 @@ from shared.store import (
     claim_key,
     events_key,
 )
-from shared.streaming import DONE_DATA, error_frames, sse_data, sse_event
+from shared.streaming import DONE_DATA, Usage, error_frames, sse_data, sse_event
 
 log = logging.getLogger(__name__)
 
 Events = list[tuple[str, int, bytes]]  # (request id, sequence, data)
 Finals = list[tuple[str, "Claim", bytes | None]]  # (request id, final claim, non-streaming answer)
+# An error event inside a stream carries no HTTP status (the 200 was sent long before): a text
+# reader raises it as a server-side failure, its OpenAI type and code kept.
+GENERATION_ERROR_STATUS = 500
 
 
 class StreamWriter:
@@ -174,7 +177,8 @@ class SharedLog:
 
 
 class RemoteSubscription:
-    """A reader of a generation owned elsewhere; the same surface as `Subscription` for the API."""
+    """A reader of a generation owned elsewhere: a `shared.identity.Subscription`, as this
+    replica's own readers are."""
 
     def __init__(
         self, store: IdentityStore, request_id: str, claim: Claim, after: int, metrics: Metrics
@@ -186,6 +190,7 @@ class RemoteSubscription:
         self._numbered = claim.numbered
         self._after = after
         self._metrics = metrics
+        self._usage = Usage(0)
 
     @property
     def request_id(self) -> str:
@@ -211,7 +216,7 @@ class RemoteSubscription:
     ) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point until [DONE]; an error event if that cannot be.
         The store hands events over in reads of their own, so `events_per_write` is not used."""
-        self._metrics.active_streams.inc()
+        self._metrics.stream_started()
         cursor = self._after
         try:
             async for entries in self._steps(cursor):
@@ -230,7 +235,7 @@ class RemoteSubscription:
         except BundleError as error:  # the owner died, or the store went away mid-stream
             yield error_frames(error)
         finally:
-            self._metrics.active_streams.dec()
+            self._metrics.stream_ended()
 
     async def response(self) -> dict[str, Any]:
         """Wait for the owner's whole answer and return it as it returned it (or raise its error)."""
@@ -272,14 +277,63 @@ class RemoteSubscription:
                 # events can come for it.
                 raise EventsGone(f"events after {after} of this request are no longer held")
 
-    def text(self) -> AsyncIterator[str]:
-        raise NotImplementedError("plain-text following is for the Cog runner, which runs one replica")
+    @property
+    def usage(self) -> Usage:
+        """The counts the owner reported, once `text` has read them (zero before)."""
+        return self._usage
+
+    async def text(self) -> AsyncIterator[str]:
+        """The generated text from the start (the Cog runner's view, a prediction whose
+        request_id another replica runs): re-read from the owner's stream, or, for a request that
+        does not stream (the runner's own), its whole answer at once when the owner has it: the
+        store holds no pieces of such a generation. Raises the owner's error."""
+        if not self._stream:
+            answer = await self.response()
+            self._usage = _usage_of(answer)
+            if text := _answer_text(answer):
+                yield text
+            return
+        cursor = 0
+        async for entries in self._steps(cursor):
+            for sequence, fields in entries:
+                if sequence != cursor + 1:
+                    raise EventsGone(f"events after {cursor} are no longer held")
+                cursor = sequence
+                if fields[DATA] == DONE_DATA:
+                    return
+                if piece := self._take_chunk(orjson.loads(fields[DATA])):
+                    yield piece
+
+    def _take_chunk(self, chunk: dict[str, Any]) -> str:
+        """One stored chunk's text; its usage, if it carries one; its error, raised."""
+        if "error" in chunk:
+            raise StoredError(GENERATION_ERROR_STATUS, chunk)
+        if chunk.get("usage"):
+            self._usage = _usage_of(chunk)
+        return "".join(_choice_text(choice) for choice in chunk.get("choices") or ())
 
     def close(self) -> None:
         """Nothing to release: presence elsewhere lapses by itself when reads stop."""
 
     def abandon(self) -> None:
         self.close()
+
+
+def _usage_of(answer: dict[str, Any]) -> Usage:
+    usage = answer.get("usage") or {}
+    return Usage(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
+
+
+def _answer_text(answer: dict[str, Any]) -> str:
+    return "".join(_choice_text(choice) for choice in answer.get("choices") or ())
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    """A choice's text: a completion's `text`, a chat message's or a chat delta's `content`."""
+    if "text" in choice:
+        return str(choice["text"] or "")
+    message = choice.get("delta") or choice.get("message") or {}
+    return str(message.get("content") or "")
 
 
 def _stored_error(raw: bytes) -> StoredError:

@@ -7,7 +7,7 @@ The registry is the only place that starts or aborts generations. It guarantees:
 - no orphans: a generation nobody reads is aborted, at once when anonymous, after the
   disconnect grace window when it has an id a client can come back with.
 
-Readers hold a `Subscription`, which `Service.open` hands to the wrappers: the events or text to
+Readers hold a `LocalSubscription`, which `Service.open` hands to the wrappers: the events or text to
 follow, and a `close` that detaches (the last reader leaving starts the grace window).
 """
 
@@ -53,8 +53,8 @@ class CancelOutcome:
     status: str
 
 
-class Subscription:
-    """One reader of one generation. Close it exactly when the reader is gone (idempotent)."""
+class LocalSubscription:
+    """One reader of a generation this replica runs (or ran): `shared.identity.Subscription`."""
 
     def __init__(self, registry: Registry, entry: Entry, after: int, metrics: Metrics) -> None:
         self._registry = registry
@@ -80,13 +80,13 @@ class Subscription:
         self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
     ) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point, live until the end; closes the subscription after."""
-        self._metrics.active_streams.inc()
+        self._metrics.stream_started()
         try:
             async for chunk in self._entry.output.events.follow(self._after, coalesce_s, events_per_write):
                 yield chunk
         finally:
             # Runs on normal end, on disconnect (cancellation) and on send failures alike.
-            self._metrics.active_streams.dec()
+            self._metrics.stream_ended()
             self.close()
 
     @property
@@ -188,10 +188,10 @@ class Registry:
             self._finished[entry.request_id] = entry
         self._evict()
 
-    def subscribe(self, entry: Entry, after: int = 0) -> Subscription:
+    def subscribe(self, entry: Entry, after: int = 0) -> LocalSubscription:
         entry.subscribers += 1
         self._cancel_grace(entry)
-        return Subscription(self, entry, after, self._metrics)
+        return LocalSubscription(self, entry, after, self._metrics)
 
     def detach(self, entry: Entry) -> None:
         entry.subscribers -= 1

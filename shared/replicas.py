@@ -1,7 +1,8 @@
 """Request identity across replicas (BUNDLE_REDIS_URL): one generation per X-Request-Id on whichever
 replica claims it first, followed from any other, cancelled from any.
 
-`Service.open_shared` calls `open` here for requests that carry an id. The order of questions:
+`Service.open` calls `open` here for requests that carry an id (this is the shared-store
+`shared.identity.Identity`). The order of questions:
 1. Does this replica hold the id (it owns the generation)? Its readers stay on the in-memory path.
 2. Otherwise claim the id in the store (SET NX). Won: start the generation here, as `Service.open`
    always did, and mirror its events into the store (`own`). Lost: follow the owner's stream.
@@ -19,16 +20,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
 import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
+from shared.identity import OpenHere, Subscription
 from shared.metrics import Metrics
 from shared.redis_log import RemoteSubscription, SharedLog, StreamWriter
-from shared.registry import CancelOutcome, Entry, Registry, Subscription, final_status
+from shared.registry import CancelOutcome, Entry, Registry, final_status
 from shared.replay import ReplayBuffer
 from shared.settings import Settings
 from shared.store import Claim, IdentityStore, StreamView
@@ -39,7 +40,6 @@ CANCEL_POLL_S = 0.05  # how often a cancel sent to another replica looks for the
 # How long leaving waits for the last events and ends to be written: a store that is down keeps
 # them queued (retried), and shutdown must not wait on it for ever.
 STORE_DRAIN_BOUND_S = 5.0
-Opened = Subscription | RemoteSubscription
 
 
 class Replicas:
@@ -72,10 +72,10 @@ class Replicas:
         fingerprint: str,
         stream: bool,
         last_event_id: int | None,
-        here: Callable[[], Subscription],
+        here: OpenHere,
         *,
         numbered: bool,
-    ) -> Opened:
+    ) -> Subscription:
         """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
         while (pending := self._claiming.get(request_id)) is not None:
             await asyncio.wait({pending})  # another request here is claiming this id: wait for it
@@ -91,8 +91,8 @@ class Replicas:
             done.set_result(None)
 
     async def _claim_or_follow(
-        self, request_id: str, mine: Claim, last_event_id: int | None, here: Callable[[], Subscription]
-    ) -> Opened:
+        self, request_id: str, mine: Claim, last_event_id: int | None, here: OpenHere
+    ) -> Subscription:
         if last_event_id is None:
             claim = await self.store.claim(request_id, mine, self._claim_ttl_s)
             if claim is None:
@@ -118,7 +118,7 @@ class Replicas:
         self._metrics.replayed_requests.inc()
         return RemoteSubscription(self.store, request_id, claim, after, self._metrics)
 
-    async def _start(self, request_id: str, here: Callable[[], Subscription]) -> Subscription:
+    async def _start(self, request_id: str, here: OpenHere) -> Subscription:
         try:
             return here()  # validates, admits and starts; Service._start calls `own`
         except BaseException:

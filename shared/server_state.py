@@ -106,7 +106,7 @@ async def _streams_ended(service: Service, bound_s: float) -> None:
     deadline = loop.time() + bound_s
     while loop.time() < deadline:
         running = service.stats()["running_generations"]
-        readers = service.metrics.active_streams._value.get()
+        readers = service.streams_being_read()
         if running == 0 and readers == 0:
             return
         await asyncio.sleep(0.05)

@@ -1,8 +1,10 @@
-"""The one door of the core, free of HTTP: open a generation, cancel one by id, health.
+"""The one door of the core, free of HTTP: open a generation, cancel one by id, health, stats.
 
 `api.py` translates HTTP to these calls and the Cog bridge translates Cog's; neither touches the
-registry or a generation's lifecycle. `open` validates, looks up the identity, admits (or
-attaches, or resumes) and returns a `Subscription` to follow.
+registry, the identity store, the engine or the metrics objects. `open` validates, looks up the
+identity (this process's, or the replicas' through BUNDLE_REDIS_URL: shared/identity.py), admits
+(or attaches, or resumes) and returns a `Subscription` to follow. `shared.assembly.start_service`
+is the one way a running service is put together.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import orjson
 
@@ -28,19 +29,18 @@ from shared.errors import (
     NotFound,
 )
 from shared.generation import GenerationOutput, produce
+from shared.identity import Identity, Subscription, identity_for
+from shared.loop_lag import watch_loop_lag
 from shared.lora import Adapters
 from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
-from shared.registry import CancelOutcome, Entry, Registry, Subscription
+from shared.registry import CancelOutcome, Entry, Registry
 from shared.replay import ReplayBuffer
 from shared.settings import Settings
 from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
 from shared.structured import OutputConstraint, response_constraint
 from shared.tools import check_tool_schemas, forced_constraint, shaper_for
-
-if TYPE_CHECKING:
-    from shared.replicas import Opened, Replicas
 
 __all__ = ["CancelOutcome", "Service", "Subscription"]
 
@@ -69,7 +69,8 @@ class Service:
         self.registry = Registry(settings, self.metrics)
         # Start-time adapters were loaded with the engine (shared/engine.py, `open_engine`).
         self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
-        self.replicas = _shared_identity(settings, self.registry, self.metrics)
+        self.metrics.watch_held(lambda: self.registry.stats()["held_requests"])
+        self._identity: Identity = identity_for(settings, self.registry, self.metrics)
         self._stats_task: asyncio.Task[None] | None = None
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
         if settings.engine_stats_file is not None:
@@ -85,14 +86,13 @@ class Service:
     async def aclose(self) -> None:
         """Abort what is still running and stop background work."""
         await self.registry.shutdown()
-        if self.replicas is not None:
-            await self.replicas.aclose()
+        await self._identity.aclose()
         if self._stats_task is not None:
             self._stats_task.cancel()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- the door -------------------------------------------------------------------------------
-    def open(
+    async def open(
         self,
         kind: Kind,
         body: OpenAIRequest,
@@ -102,16 +102,37 @@ class Service:
         event_ids: bool = False,
     ) -> Subscription:
         """Subscribe to the generation this request names: an existing one (same id and body:
-        attach, resume after `last_event_id`, or replay) or a new one, validated and started.
+        attach, resume after `last_event_id`, or replay), here or on another replica sharing the
+        store, or a new one, validated and started.
 
         `event_ids`: the client asked for SSE proper (Accept: text/event-stream). Only the request
         that starts a generation decides; readers that attach later get the same bytes.
-
-        Runs without awaiting on purpose: between the lookup and the start nothing else can
-        run, so two simultaneous requests with one id can never start two generations.
-        A resume (`last_event_id` given) never starts one: a fresh generation under the old
-        event ids would splice two different texts together.
         """
+        if request_id is None:
+            return self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids)
+        self._check_model(body.model)  # before any claim in a shared store
+        return await self._identity.open(
+            request_id,
+            _fingerprint(kind, body),
+            body.stream,
+            last_event_id,
+            here=lambda: self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids),
+            numbered=event_ids,
+        )
+
+    def _open_here(
+        self,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None,
+        last_event_id: int | None,
+        *,
+        event_ids: bool,
+    ) -> Subscription:
+        """`open` on this replica's registry. Runs without awaiting on purpose: between the
+        lookup and the start nothing else can run, so two simultaneous requests with one id can
+        never start two generations. A resume (`last_event_id` given) never starts one: a fresh
+        generation under the old event ids would splice two different texts together."""
         if last_event_id is not None and request_id is None:
             raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
         resume = last_event_id is not None
@@ -123,38 +144,12 @@ class Service:
             self.metrics.replayed_requests.inc()
         return self.registry.subscribe(entry, after)
 
-    async def open_shared(
-        self,
-        kind: Kind,
-        body: OpenAIRequest,
-        request_id: str | None = None,
-        last_event_id: int | None = None,
-        *,
-        event_ids: bool = False,
-    ) -> Subscription | Opened:
-        """`open` across replicas: with a shared store (BUNDLE_REDIS_URL), a request with an id
-        that another replica claimed follows that replica's generation (shared/replicas.py).
-        Without a store, or without an id, it is `open`."""
-        if self.replicas is None or request_id is None:
-            return self.open(kind, body, request_id, last_event_id, event_ids=event_ids)
-        self._check_model(body.model)
-        return await self.replicas.open(
-            request_id,
-            _fingerprint(kind, body),
-            body.stream,
-            last_event_id,
-            here=lambda: self.open(kind, body, request_id, last_event_id, event_ids=event_ids),
-            numbered=event_ids,
-        )
-
     async def cancel(self, request_id: str) -> CancelOutcome:
         """Abort the generation this id names; attached streams end with an error event."""
         try:
             return await self.registry.cancel(request_id, wait_s=CANCEL_WAIT_S)
-        except NotFound:
-            if self.replicas is None:
-                raise
-            return await self.replicas.cancel(request_id, CANCEL_WAIT_S)  # owned by another replica
+        except NotFound:  # another replica's, if a store is shared; else NotFound again
+            return await self._identity.cancel(request_id, CANCEL_WAIT_S)
 
     @property
     def pairs_writes(self) -> bool:
@@ -192,6 +187,31 @@ class Service:
     def stats(self) -> dict[str, int]:
         """Held requests, running generations, held events and readers (for leak checks)."""
         return self.registry.stats()
+
+    def running_requests(self) -> int:
+        """Requests the engine itself holds (0 once it died): vLLM's own count, the ground truth
+        that a cancelled generation left nothing running."""
+        return self.engine.running_requests()
+
+    def streams_being_read(self) -> int:
+        """Readers of SSE streams right now, on this replica's generations or others'."""
+        return self.metrics.streams_read
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of this service's metrics."""
+        return self.metrics.exposition()
+
+    def record_admission(self, seconds: float) -> None:
+        """How long a request took from its first byte to being admitted (or joined)."""
+        self.metrics.admission.observe(seconds)
+
+    def count_rejection(self, status: int) -> None:
+        """A request refused before it reached the engine, by its HTTP status."""
+        self.metrics.rejected_requests.labels(str(status)).inc()
+
+    async def watch_loop_lag(self) -> None:
+        """Until cancelled: how late this event loop runs (shared/loop_lag.py)."""
+        await watch_loop_lag(self.metrics.event_loop_lag)
 
     def model_card(self) -> dict[str, object]:
         return {
@@ -268,12 +288,11 @@ class Service:
         if prepared is not None:
             output.accept(prompt_tokens=len(prepared[0]))
         entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
-        shared = self.replicas if request_id is not None else None
-        if shared is not None:
-            shared.mirror(entry)
+        if request_id is not None:  # others may follow it: what they read goes behind it first
+            self._identity.mirror(entry)
         self.registry.start(entry, producer)
-        if shared is not None:
-            shared.own(entry)
+        if request_id is not None:
+            self._identity.own(entry)
         return entry
 
     async def _prepare_and_produce(
@@ -451,18 +470,6 @@ def _constraint(body: OpenAIRequest, engine: Engine) -> OutputConstraint | None:
     if constraint is not None:
         engine.check_constraint(constraint, "response_format")
     return constraint
-
-
-def _shared_identity(settings: Settings, registry: Registry, metrics: Metrics) -> Replicas | None:
-    if settings.redis_url is None:
-        log.info(
-            "request identity: this process only (BUNDLE_REDIS_URL is not set); a retry or resume "
-            "that reaches another replica is not matched"
-        )
-        return None
-    from shared.replicas import Replicas  # redis is imported only when a store is configured
-
-    return Replicas(settings, registry, metrics)
 
 
 def _fingerprint(kind: Kind, body: OpenAIRequest) -> str:

@@ -260,13 +260,12 @@ def _tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(Path(resolve_model_path(Settings())))
 
 
-def test_a_shared_store_is_said_to_cover_http_only(caplog: pytest.LogCaptureFixture) -> None:
-    """With BUNDLE_REDIS_URL set the runner says that its request_id is matched in its own
-    container only (the Cog path does not follow other replicas' generations yet)."""
+def test_a_shared_store_reaches_the_runner_without_a_caveat(caplog: pytest.LogCaptureFixture) -> None:
+    """With BUNDLE_REDIS_URL the runner keeps the store: predictions open generations through
+    the same door as HTTP (tests/test_one_door.py follows one across both), so setup says
+    nothing about a container-only match any more."""
+    url = "redis://127.0.0.1:1/0"
     with caplog.at_level("WARNING", logger="shared.cog_bridge"):
-        bridge.runner_settings(None, Settings(redis_url="redis://127.0.0.1:1/0"))
-    assert "matched within this container only" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="shared.cog_bridge"):
-        bridge.runner_settings(None, Settings())
-    assert "BUNDLE_REDIS_URL" not in caplog.text
+        settings = bridge.runner_settings(None, Settings(redis_url=url))
+    assert settings.redis_url is not None and settings.redis_url.get_secret_value() == url
+    assert caplog.text == ""

@@ -56,28 +56,29 @@ def event_ids(raw: bytes) -> list[int]:
 # --- registry behind Service ---------------------------------------------------------------------
 async def test_same_id_and_body_share_one_generation_and_identical_events() -> None:
     service, engine = make_service(engine=ScriptedEngine(auto=True))
-    first = service.open("chat", chat(), "one")
-    second = service.open("chat", chat(), "one")
+    first = await service.open("chat", chat(), "one")
+    second = await service.open("chat", chat(), "one")
     a, b = await asyncio.gather(drain(first.events()), drain(second.events()))
     assert a == b and b"[DONE]" in a
     assert len(engine.started) == 1
-    replay = service.open("chat", chat(), "one")  # after the end: the stored result
+    replay = await service.open("chat", chat(), "one")  # after the end: the stored result
     assert await drain(replay.events()) == a
     assert len(engine.started) == 1
 
 
 async def test_same_id_with_another_body_is_a_conflict() -> None:
     service, _ = make_service()
-    service.open("chat", chat(), "x").close()
+    (await service.open("chat", chat(), "x")).close()
     with pytest.raises(IdempotencyConflict):
-        service.open("chat", chat(temperature=0.5), "x")
+        await service.open("chat", chat(temperature=0.5), "x")
     with pytest.raises(IdempotencyConflict):
-        service.open("completion", parse_request(CompletionRequest, {"model": "tiny", "prompt": "a"}), "x")
+        completion = parse_request(CompletionRequest, {"model": "tiny", "prompt": "a"})
+        await service.open("completion", completion, "x")
 
 
 async def test_an_anonymous_reader_leaving_aborts_at_once() -> None:
     service, engine = make_service()
-    subscription = service.open("chat", chat())
+    subscription = await service.open("chat", chat())
     await settle()
     assert len(engine.running) == 1
     subscription.close()
@@ -88,8 +89,8 @@ async def test_an_anonymous_reader_leaving_aborts_at_once() -> None:
 
 async def test_a_named_reader_leaving_starts_the_grace_window_and_a_return_cancels_it() -> None:
     service, engine = make_service(disconnect_grace_s=0.0)  # fires on the next loop turn
-    service.open("chat", chat(), "g").close()
-    back = service.open("chat", chat(), "g", last_event_id=0)  # before the timer ran: cancelled
+    (await service.open("chat", chat(), "g")).close()
+    back = await service.open("chat", chat(), "g", last_event_id=0)  # before the timer ran: cancelled
     await settle()
     assert len(engine.running) == 1
     back.close()
@@ -100,8 +101,8 @@ async def test_a_named_reader_leaving_starts_the_grace_window_and_a_return_cance
 
 async def test_attached_readers_keep_a_named_generation_alive() -> None:
     service, engine = make_service(disconnect_grace_s=0.0)
-    first = service.open("chat", chat(), "two-readers")
-    second = service.open("chat", chat(), "two-readers")
+    first = await service.open("chat", chat(), "two-readers")
+    second = await service.open("chat", chat(), "two-readers")
     first.close()
     await settle()
     assert len(engine.running) == 1  # one reader is left
@@ -113,33 +114,33 @@ async def test_attached_readers_keep_a_named_generation_alive() -> None:
 async def test_resume_needs_an_id_and_a_held_stream() -> None:
     service, _ = make_service()
     with pytest.raises(InvalidRequest):
-        service.open("chat", chat(), None, last_event_id=3)
+        await service.open("chat", chat(), None, last_event_id=3)
     with pytest.raises(EventsGone):
-        service.open("chat", chat(), "never-seen", last_event_id=3)
+        await service.open("chat", chat(), "never-seen", last_event_id=3)
 
 
 async def test_finished_results_are_evicted_oldest_first_beyond_the_cap() -> None:
     service, _ = make_service(ScriptedEngine(auto=True), max_held_requests=2)
     for name in ("r1", "r2", "r3"):
-        await drain(service.open("chat", chat(), name).events())
+        await drain((await service.open("chat", chat(), name)).events())
     await settle()
     with pytest.raises(EventsGone):
-        service.open("chat", chat(), "r1", last_event_id=0)
-    assert await drain(service.open("chat", chat(), "r3", last_event_id=0).events())
+        await service.open("chat", chat(), "r1", last_event_id=0)
+    assert await drain((await service.open("chat", chat(), "r3", last_event_id=0)).events())
     assert service.stats()["held_requests"] == 2
 
 
 async def test_finished_results_expire_after_retention() -> None:
     service, _ = make_service(ScriptedEngine(auto=True), retention_s=0.0)
-    await drain(service.open("chat", chat(), "short").events())
+    await drain((await service.open("chat", chat(), "short")).events())
     await settle()
     with pytest.raises(EventsGone):
-        service.open("chat", chat(), "short", last_event_id=0)
+        await service.open("chat", chat(), "short", last_event_id=0)
 
 
 async def test_cancel_ends_attached_streams_and_says_what_happened() -> None:
     service, engine = make_service()
-    reader = service.open("chat", chat(), "c")
+    reader = await service.open("chat", chat(), "c")
     collected = asyncio.create_task(drain(reader.events()))
     await settle()
     engine.step(2)
@@ -151,7 +152,7 @@ async def test_cancel_ends_attached_streams_and_says_what_happened() -> None:
     with pytest.raises(NotFound):
         await service.cancel("unknown")
 
-    done = service.open("chat", chat(), "finished")
+    done = await service.open("chat", chat(), "finished")
     await settle()
     engine.step(8)
     await drain(done.events())
@@ -163,21 +164,21 @@ async def test_a_cancel_before_the_generation_first_ran_ends_it_and_frees_its_sl
     # returns; a cancel in the same loop turn cancels a coroutine that never started. Its readers
     # must still get their end and its slot must be freed (3.12 starts it eagerly: same outcome).
     service, _ = make_service(max_in_flight=1)
-    reader = service.open("chat", chat(), "early")
+    reader = await service.open("chat", chat(), "early")
     outcome = await service.cancel("early")
     assert outcome.status == "cancelled"
     raw = await asyncio.wait_for(drain(reader.events()), timeout=5)
     assert b'"code":"request_cancelled"' in raw and raw.endswith(b"data: [DONE]\n\n")
     assert service.stats()["running_generations"] == 0
-    again = service.open("chat", chat(), "after")  # the one slot is free again
+    again = await service.open("chat", chat(), "after")  # the one slot is free again
     again.close()
 
 
 async def test_admission_beyond_the_in_flight_cap_is_429_and_starts_nothing() -> None:
     service, engine = make_service(max_in_flight=2)
-    held = [service.open("chat", chat()) for _ in range(2)]
+    held = [await service.open("chat", chat()) for _ in range(2)]
     with pytest.raises(Overloaded):
-        service.open("chat", chat())
+        await service.open("chat", chat())
     await settle()
     assert len(engine.started) == 2
     for subscription in held:
@@ -186,7 +187,7 @@ async def test_admission_beyond_the_in_flight_cap_is_429_and_starts_nothing() ->
 
 async def test_text_readers_get_every_piece_once_and_the_whole_body() -> None:
     service, engine = make_service()
-    subscription: Subscription = service.open("chat", chat(stream=False), "text")
+    subscription: Subscription = await service.open("chat", chat(stream=False), "text")
     pieces = subscription.text()
     engine_task = asyncio.create_task(_release(engine, 8))
     text = "".join([piece async for piece in pieces])
@@ -201,13 +202,13 @@ async def test_text_readers_get_every_piece_once_and_the_whole_body() -> None:
 async def test_a_short_prompt_over_the_token_limit_is_refused_at_open() -> None:
     service, engine = make_service(max_prompt_tokens=3)
     with pytest.raises(InvalidRequest, match="tokens"):
-        service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
+        await service.open("chat", chat(messages=[{"role": "user", "content": "w " * 10}]))
     assert engine.started == []
 
 
 async def test_a_long_prompt_refused_after_rendering_is_an_error_before_any_event() -> None:
     service, engine = make_service(max_prompt_tokens=200)  # within the character bound, over the token one
-    subscription = service.open("chat", chat(messages=[{"role": "user", "content": "w " * 2500}]))
+    subscription = await service.open("chat", chat(messages=[{"role": "user", "content": "w " * 2500}]))
     with pytest.raises(InvalidRequest, match="tokens"):
         await subscription.admitted()
     subscription.close()
@@ -217,15 +218,15 @@ async def test_a_long_prompt_refused_after_rendering_is_an_error_before_any_even
 async def test_an_oversized_prompt_is_refused_before_tokenizing() -> None:
     service, engine = make_service(max_prompt_tokens=10)
     with pytest.raises(InvalidRequest, match="characters"):
-        service.open("chat", chat(messages=[{"role": "user", "content": "x" * 1000}]))
+        await service.open("chat", chat(messages=[{"role": "user", "content": "x" * 1000}]))
     assert engine.tokenized_on == []
 
 
 async def test_long_prompts_are_tokenized_off_the_event_loop() -> None:
     service, engine = make_service()
-    short = service.open("chat", chat())
+    short = await service.open("chat", chat())
     await short.admitted()
-    long = service.open("chat", chat(messages=[{"role": "user", "content": "word " * 2000}]))
+    long = await service.open("chat", chat(messages=[{"role": "user", "content": "word " * 2000}]))
     await long.admitted()
     loop_thread = threading.current_thread().name
     assert engine.tokenized_on[0] == loop_thread  # cheaper inline than a thread hop
@@ -323,20 +324,20 @@ async def test_under_stream_load_an_engine_that_paces_each_request_is_asked_for_
     service, engine = make_service(pacing, stream_batch_at=2)
     assert not service.pairs_writes  # the engine paces: the writes are not held as well
     # Counted as they are admitted: a burst's third request already sees two running.
-    readers = [service.open("chat", chat()) for _ in range(4)]
+    readers = [await service.open("chat", chat()) for _ in range(4)]
     await settle()
     assert [request.stream_interval for request in engine.requests] == [None, None, 2, 2]
     engine.auto = True
     engine.step(8)
     await asyncio.gather(*(drain(reader.events()) for reader in readers))
     assert service.registry.running == 0
-    alone = service.open("chat", chat())  # the load gone, every token again
+    alone = await service.open("chat", chat())  # the load gone, every token again
     await drain(alone.events())
     assert len(engine.requests) == 5 and engine.requests[-1].stream_interval is None
 
     service, engine = make_service(stream_batch_at=2)  # an engine that cannot pace requests
     assert service.pairs_writes and service.events_per_write() == 1
-    readers = [service.open("chat", chat()) for _ in range(3)]
+    readers = [await service.open("chat", chat()) for _ in range(3)]
     await settle()
     assert service.events_per_write() == 2 and {r.stream_interval for r in engine.requests} == {None}
     engine.auto = True

@@ -19,7 +19,9 @@ exits: list[int] = []
 @pytest.fixture
 async def client() -> httpx.AsyncClient:
     exits.clear()
-    app = create_app(Settings(), engine_factory=dying_engine, request_exit=exits.append)
+    # No warm-up: it would spend the engine's one life (a warm-up that kills the engine fails
+    # the start-up instead, which is right, but not what these tests are about).
+    app = create_app(Settings(warm_up=False), engine_factory=dying_engine, request_exit=exits.append)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://bundle") as http:

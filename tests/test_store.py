@@ -27,6 +27,7 @@ from shared.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, parse_request
 from shared.redis_log import RemoteSubscription, StreamWriter
 from shared.replay import ReplayBuffer
+from shared.replicas import Replicas
 from shared.service import Service
 from shared.settings import Settings
 from shared.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore, replica_key
@@ -191,14 +192,14 @@ def replica(redis_server: RedisServer, engine: ScriptedEngine, **overrides: Any)
 async def test_one_generation_per_id_across_replicas_with_identical_bytes(redis_server: RedisServer) -> None:
     engine_a, engine_b = ScriptedEngine(auto=True), ScriptedEngine(auto=True)
     a, b = replica(redis_server, engine_a), replica(redis_server, engine_b)
-    opened = await asyncio.gather(*(svc.open_shared("chat", chat(), "across") for svc in (a, b, a, b)))
+    opened = await asyncio.gather(*(svc.open("chat", chat(), "across") for svc in (a, b, a, b)))
     bodies = await asyncio.gather(*(drain(sub.events()) for sub in opened))
     assert len(set(bodies)) == 1 and bodies[0].endswith(b"data: [DONE]\n\n")
     assert len(engine_a.started) + len(engine_b.started) == 1
     for svc in (a, b):  # after the end: replayed, never regenerated; another body: 422 everywhere
-        assert await drain((await svc.open_shared("chat", chat(), "across")).events()) == bodies[0]
+        assert await drain((await svc.open("chat", chat(), "across")).events()) == bodies[0]
         with pytest.raises(IdempotencyConflict):
-            await svc.open_shared("chat", chat(max_tokens=9), "across")
+            await svc.open("chat", chat(max_tokens=9), "across")
     assert len(engine_a.started) + len(engine_b.started) == 1
     await a.aclose()
     await b.aclose()
@@ -207,8 +208,8 @@ async def test_one_generation_per_id_across_replicas_with_identical_bytes(redis_
 async def test_a_non_streaming_answer_is_the_same_body_on_the_other_replica(redis_server: RedisServer) -> None:
     a = replica(redis_server, ScriptedEngine())
     b = replica(redis_server, ScriptedEngine())
-    owner = await a.open_shared("chat", chat(stream=False), "whole")
-    follower = await b.open_shared("chat", chat(stream=False), "whole")
+    owner = await a.open("chat", chat(stream=False), "whole")
+    follower = await b.open("chat", chat(stream=False), "whole")
     waiting = asyncio.ensure_future(follower.response())
     await settle()
     a.engine.step(8)  # type: ignore[attr-defined]
@@ -226,9 +227,9 @@ async def test_a_request_refused_while_rendering_is_refused_alike_on_the_other_r
     b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=200)
     long_chat = chat(messages=[{"role": "user", "content": "w " * 2500}])
     with pytest.raises(InvalidRequest) as here:
-        await (await a.open_shared("chat", long_chat, "refused")).admitted()
+        await (await a.open("chat", long_chat, "refused")).admitted()
     with pytest.raises(StoredError) as there:
-        await (await b.open_shared("chat", long_chat, "refused")).admitted()
+        await (await b.open("chat", long_chat, "refused")).admitted()
     assert there.value.status_code == 400 and there.value.to_openai() == here.value.to_openai()
     await a.aclose()
     await b.aclose()
@@ -240,9 +241,9 @@ async def test_a_short_prompt_refused_at_once_is_refused_alike_on_the_other_repl
     a = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)  # "a b" renders to 2 tokens
     b = replica(redis_server, ScriptedEngine(), max_prompt_tokens=1)
     with pytest.raises(InvalidRequest) as here:
-        await a.open_shared("chat", chat(), "refused-short")  # refused before any claim is kept
+        await a.open("chat", chat(), "refused-short")  # refused before any claim is kept
     with pytest.raises(InvalidRequest) as there:
-        await b.open_shared("chat", chat(), "refused-short")
+        await b.open("chat", chat(), "refused-short")
     assert there.value.to_openai() == here.value.to_openai()
     await a.aclose()
     await b.aclose()
@@ -251,7 +252,7 @@ async def test_a_short_prompt_refused_at_once_is_refused_alike_on_the_other_repl
 async def test_cancel_sent_to_another_replica_aborts_on_the_owner(redis_server: RedisServer) -> None:
     engine_a = ScriptedEngine()
     a, b = replica(redis_server, engine_a), replica(redis_server, ScriptedEngine())
-    owner = await a.open_shared("chat", chat(max_tokens=100), "cancel-far")
+    owner = await a.open("chat", chat(max_tokens=100), "cancel-far")
     reading = asyncio.ensure_future(drain(owner.events()))
     await settle()
     outcome = await b.cancel("cancel-far")
@@ -266,8 +267,8 @@ async def test_the_grace_window_counts_readers_on_other_replicas(redis_server: R
     engine_a = ScriptedEngine()
     a = replica(redis_server, engine_a, disconnect_grace_s=0.2)
     b = replica(redis_server, ScriptedEngine(), disconnect_grace_s=0.2)
-    (await a.open_shared("chat", chat(max_tokens=100), "grace-far")).close()  # its reader leaves
-    follower = await b.open_shared("chat", chat(max_tokens=100), "grace-far")
+    (await a.open("chat", chat(max_tokens=100), "grace-far")).close()  # its reader leaves
+    follower = await b.open("chat", chat(max_tokens=100), "grace-far")
     reading = asyncio.ensure_future(drain(follower.events()))
     await asyncio.sleep(1.0)  # the window ran out on A, but B still reads
     assert engine_a.running and not engine_a.aborted
@@ -285,16 +286,16 @@ async def test_store_outage_refuses_ids_serves_anonymous_and_recovers(redis_serv
     redis_server.stop()
     try:
         with pytest.raises(StoreUnavailable):
-            await a.open_shared("chat", chat(), "during-outage")
+            await a.open("chat", chat(), "during-outage")
         with pytest.raises(StoreUnavailable):
             await a.cancel("during-outage")
-        assert b"[DONE]" in await drain((await a.open_shared("chat", chat())).events())
+        assert b"[DONE]" in await drain((await a.open("chat", chat())).events())
         assert a.metrics.store_errors.labels("claim")._value.get() >= 1
     finally:
         redis_server.start()
-    assert b"[DONE]" in await drain((await a.open_shared("chat", chat(), "after-outage")).events())
+    assert b"[DONE]" in await drain((await a.open("chat", chat(), "after-outage")).events())
     with pytest.raises(EventsGone):  # resume of an id the restarted (empty) store never saw
-        await a.open_shared("chat", chat(), "during-outage", last_event_id=3)
+        await a.open("chat", chat(), "during-outage", last_event_id=3)
     await a.aclose()
 
 
@@ -302,14 +303,15 @@ async def test_a_request_for_an_id_whose_owner_died_is_refused(redis_server: Red
     b = replica(redis_server, ScriptedEngine())
     store = IdentityStore(redis_server.url, "x", Metrics())
     fingerprint_owner = replica(redis_server, ScriptedEngine())
-    owner = await fingerprint_owner.open_shared("chat", chat(), "owner-dies")
+    owner = await fingerprint_owner.open("chat", chat(), "owner-dies")
     # The owner's process "dies": its heartbeat stops and lapses (deleted here to skip the wait).
-    assert fingerprint_owner.replicas is not None
-    for task in fingerprint_owner.replicas.store._tasks:
+    replicas = fingerprint_owner._identity  # the store-backed identity BUNDLE_REDIS_URL chose
+    assert isinstance(replicas, Replicas)
+    for task in replicas.store._tasks:
         task.cancel()
-    await store.client.delete(f"bundle:replica:{fingerprint_owner.replicas.replica_id}")
+    await store.client.delete(f"bundle:replica:{replicas.replica_id}")
     with pytest.raises(ProducerLost):
-        await b.open_shared("chat", chat(), "owner-dies")
+        await b.open("chat", chat(), "owner-dies")
     owner.close()
     await store.aclose()
     await fingerprint_owner.aclose()

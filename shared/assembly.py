@@ -1,0 +1,74 @@
+"""The one way a running service is put together, whatever serves it (the HTTP app, the Cog
+runner, Modal's container through the HTTP app):
+
+    async with start_service(settings) as service:
+        ...  # serve through `service` (shared/service.py), the one door
+
+It opens the engine (or takes the one a caller started, as Modal's snapshot hooks do), warms it
+up unless BUNDLE_WARM_UP=0 or it was warmed already (before a snapshot), guards it against death
+and shutdown (shared/server_state.py), and runs the engine-death watchdog and the loop-lag
+watcher for the service's lifetime. Leaving aborts what still runs and stops the engine it opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+from shared.engine import Engine, open_engine
+from shared.lifecycle import warm_up_once
+from shared.server_state import GuardedEngine, Lifecycle
+from shared.service import Service
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
+
+
+@asynccontextmanager
+async def start_service(
+    settings: Settings,
+    *,
+    engine: Engine | None = None,
+    engine_factory: EngineFactory = open_engine,
+    lifecycle: Lifecycle | None = None,
+) -> AsyncIterator[Service]:
+    """The service for the block's lifetime. With `engine`, the caller owns its life (and its
+    warm-up: tests share one engine between many services); otherwise `engine_factory` opens one
+    here, warmed before the service is handed out, so nothing is served before that."""
+    lifecycle = lifecycle or Lifecycle(settings.shutdown_grace_s)
+    async with contextlib.AsyncExitStack() as stack:
+        if engine is None:
+            engine = await stack.enter_async_context(engine_factory(settings))
+            await _warm(engine, settings)
+        service = Service(settings, GuardedEngine(engine, lifecycle))
+        stack.push_async_callback(service.aclose)  # last in, so it runs before the engine stops
+        async with _watched(service, lifecycle):
+            yield service
+
+
+async def _warm(engine: Engine, settings: Settings) -> None:
+    if not settings.warm_up:
+        log.info("warm-up skipped (BUNDLE_WARM_UP=0): the first requests pay for first-use compiles")
+        return
+    await warm_up_once(engine, settings)
+
+
+@asynccontextmanager
+async def _watched(service: Service, lifecycle: Lifecycle) -> AsyncIterator[None]:
+    """The engine-death watchdog and the loop-lag watcher, for as long as the block runs."""
+    watchers = [
+        asyncio.create_task(lifecycle.watch(service)),
+        asyncio.create_task(service.watch_loop_lag()),
+    ]
+    try:
+        yield
+    finally:
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        lifecycle.close()

@@ -1,0 +1,146 @@
+"""Request identity as `Service` sees it: one interface, two implementations chosen by settings.
+
+- `LocalIdentity` (no BUNDLE_REDIS_URL): an id is matched within this process only; the registry
+  (shared/registry.py) holds everything.
+- `Replicas` (shared/replicas.py, BUNDLE_REDIS_URL set): an id is claimed in the shared store,
+  and a request whose id another replica claimed follows that replica's generation.
+
+Whatever the door (HTTP, a Cog prediction), `Service.open` goes through the one chosen here, so a
+retry that lands on another replica is matched the same way from both.
+
+`Subscription` is what a reader holds, from this replica's registry (`LocalSubscription`) or from
+the store (`RemoteSubscription`): the wrappers see only this protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from shared.errors import NotFound
+from shared.replay import EventsPerWrite
+from shared.settings import Settings
+from shared.streaming import Usage
+
+if TYPE_CHECKING:
+    from shared.metrics import Metrics
+    from shared.registry import CancelOutcome, Entry, Registry
+
+log = logging.getLogger(__name__)
+
+
+class Subscription(Protocol):
+    """One reader of one generation. Close it exactly when the reader is gone (idempotent)."""
+
+    @property
+    def request_id(self) -> str | None: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def usage(self) -> Usage:
+        """Prompt and generated token counts so far (final once the text has ended)."""
+        ...
+
+    async def admitted(self) -> None:
+        """Return once the request may reach the engine; raise its 4xx otherwise (before any 200)."""
+        ...
+
+    def events(
+        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+    ) -> AsyncIterator[bytes]:
+        """SSE bytes after the resume point until [DONE] (a streaming request)."""
+        ...
+
+    def text(self) -> AsyncIterator[str]:
+        """The generated text from the start, in pieces as it grows (the Cog runner's view)."""
+        ...
+
+    async def response(self) -> dict[str, Any]:
+        """The whole non-streaming body (raises the generation's error)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def abandon(self) -> None:
+        """The reader stops early and will not come back: close, and abort if it was the last."""
+        ...
+
+
+OpenHere = Callable[[], Subscription]
+
+
+class Identity(Protocol):
+    """Which generation a request id names, across whatever replicas share it."""
+
+    async def open(
+        self,
+        request_id: str,
+        fingerprint: str,
+        stream: bool,
+        last_event_id: int | None,
+        here: OpenHere,
+        *,
+        numbered: bool,
+    ) -> Subscription:
+        """Follow the generation this id names; `here()` opens it on this replica (attach,
+        resume, or start) when it is (or becomes) this replica's."""
+        ...
+
+    def mirror(self, entry: Entry) -> None:
+        """Before a generation with an id starts here: put what others must read behind it."""
+        ...
+
+    def own(self, entry: Entry) -> None:
+        """Once it started: record its end where others can read it."""
+        ...
+
+    async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
+        """Cancel an id this replica does not hold; `NotFound` when nobody holds it."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalIdentity:
+    """Identity within this process: the registry is all there is."""
+
+    async def open(
+        self,
+        request_id: str,
+        fingerprint: str,
+        stream: bool,
+        last_event_id: int | None,
+        here: OpenHere,
+        *,
+        numbered: bool,
+    ) -> Subscription:
+        return here()  # no await before it: a lookup and a start cannot be split by another request
+
+    def mirror(self, entry: Entry) -> None:
+        pass  # nobody elsewhere reads it
+
+    def own(self, entry: Entry) -> None:
+        pass
+
+    async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
+        raise NotFound(f"no request with id {request_id!r} is held", param="request_id")
+
+    async def aclose(self) -> None:
+        pass
+
+
+def identity_for(settings: Settings, registry: Registry, metrics: Metrics) -> Identity:
+    """The shared store when BUNDLE_REDIS_URL is set, else this process alone (logged, since a
+    retry that reaches another replica is then not matched)."""
+    if settings.redis_url is None:
+        log.info(
+            "request identity: this process only (BUNDLE_REDIS_URL is not set); a retry or resume "
+            "that reaches another replica is not matched"
+        )
+        return LocalIdentity()
+    from shared.replicas import Replicas  # redis is imported only when a store is configured
+
+    return Replicas(settings, registry, metrics)
