@@ -43,6 +43,7 @@ from shared.protocol import (
     UnloadAdapterRequest,
     parse_request,
 )
+from shared.responses.manager import Responses
 from shared.server_state import ExitRequest, GuardedEngine, Lifecycle
 from shared.service import Service, Subscription
 from shared.settings import Settings
@@ -100,6 +101,7 @@ async def _serving(
     service = Service(settings, GuardedEngine(engine, lifecycle))
     _export_held_requests(service)
     app.state.service = service
+    app.state.responses = Responses(service)
     watchdog = asyncio.create_task(lifecycle.watch(service))
     lag_watch = asyncio.create_task(watch_loop_lag(service.metrics.event_loop_lag))
     try:
@@ -108,6 +110,7 @@ async def _serving(
         watchdog.cancel()
         lag_watch.cancel()
         lifecycle.close()
+        await app.state.responses.aclose()
         await service.aclose()
 
 
@@ -171,6 +174,10 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         request_id = parse_request_id(request_id, param="request_id") or ""
         outcome = await _service(request).cancel(request_id)
         return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
+
+    from shared.responses.routes import add_routes  # it imports this module's helpers
+
+    add_routes(app, settings)
 
 
 def _check_adapter_routes_guarded(settings: Settings) -> None:
