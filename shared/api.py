@@ -44,6 +44,7 @@ from shared.protocol import (
     UnloadAdapterRequest,
     parse_request,
 )
+from shared.responses.manager import Responses
 from shared.server_state import ExitRequest, Lifecycle
 from shared.service import Service
 from shared.settings import Settings
@@ -75,7 +76,11 @@ def create_app(
         assembled = start_service(settings, engine=engine, engine_factory=engine_factory, lifecycle=lifecycle)
         async with assembled as service:
             app.state.service = service
-            yield
+            app.state.responses = Responses(service)
+            try:
+                yield
+            finally:
+                await app.state.responses.aclose()
 
     app = BundleApp(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
@@ -140,6 +145,10 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
         request_id = parse_request_id(request_id, param="request_id") or ""
         outcome = await _service(request).cancel(request_id)
         return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
+
+    from shared.responses.routes import add_routes  # it imports this module's helpers
+
+    add_routes(app, settings)
 
 
 def _check_adapter_routes_guarded(settings: Settings) -> None:

@@ -290,6 +290,15 @@ class Identity(Section):
     max_events_per_request: int = Field(
         16384, ge=16, description="Replay buffer per generation; older events are dropped."
     )
+    responses_retention_s: float = Field(
+        3600.0, gt=0, description="Seconds a stored response (/v1/responses) can be fetched or continued."
+    )
+    responses_max_stored: int = Field(10000, ge=1, description="Stored responses kept; oldest dropped first.")
+    responses_max_record_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Bytes of one stored response with its conversation; larger ones are not kept.",
+    )
     redis_url: SecretStr | None = Field(
         None,
         description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "

@@ -1,0 +1,280 @@
+"""Responses on top of the core's generations: create, follow, fold, cancel, delete.
+
+A response is one chat generation whose identity key is the response id, so everything the core
+gives a generation (one per id, a replay log any replica follows, cancel from any replica, the
+end of a dead replica's stream reported as `producer_lost`) holds for responses too.
+
+Background mode needs no change to the core: the replica that creates a background response
+keeps a reader of its own on the generation (the keeper) until it ends, so the generation never
+looks abandoned when the client leaves, and the keeper stores the final object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shared.errors import BundleError, EventsGone, InvalidRequest, NotFound
+from shared.identity import Subscription
+from shared.responses.door import cancel_generation, open_generation
+from shared.responses.events import Event, ResponseFolder, base_object
+from shared.responses.request import (
+    ResponsesRequest,
+    chat_body,
+    input_messages,
+    output_messages,
+    parse_responses_request,
+)
+from shared.responses.store import Record, ResponseStore, not_found, open_store
+from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"completed", "failed", "cancelled", "incomplete"})
+ID_BYTES = 24  # 192 random bits: response ids cannot be guessed
+# A GET of a running response folds the log as it is now: it stops once no event came for this
+# long (the events already written arrive in one read, so this is only the tail's wait).
+FOLD_IDLE_S = 0.2
+FOLD_BOUND_S = 5.0  # and never reads longer than this
+
+
+def response_id_for(client_key: str | None) -> str:
+    """A new random id, or, for a client's X-Request-Id / Idempotency-Key, the one id derived from
+    it (so a retry on any replica names the same response). Only a holder of the key can
+    derive it, as only they could attach to the generation anyway."""
+    if client_key is None:
+        return "resp_" + secrets.token_hex(ID_BYTES)
+    return "resp_" + hashlib.sha256(b"bundle-responses\0" + client_key.encode()).hexdigest()[: 2 * ID_BYTES]
+
+
+@dataclass
+class Created:
+    record: Record
+    reader: Subscription
+
+
+class Responses:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.store: ResponseStore = open_store(service.settings)
+        self._keepers: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        for task in self._keepers:
+            task.cancel()
+        await asyncio.gather(*self._keepers, return_exceptions=True)
+        await self.store.aclose()
+
+    # --- create ----------------------------------------------------------------------------------
+    async def create(self, request: ResponsesRequest, client_key: str | None) -> Created:
+        """Start the response's generation (or attach to the one its key already names) and
+        store its record; raises the 4xx of bad input before anything is sent."""
+        response_id = response_id_for(client_key)
+        history = await self._history(request.previous_response_id)
+        reader = await open_generation(
+            self.service, chat_body(request, history), response_id, follow_only=False
+        )
+        try:
+            await reader.admitted()
+            record = await self.store.get(response_id) if request.store else None
+            if record is None:
+                record = _new_record(response_id, request, history)
+                if request.store:
+                    await self.store.put(response_id, record)
+        except BaseException:
+            reader.close()
+            raise
+        if request.background:
+            self._keep(reader, record)
+        return Created(record, reader)
+
+    async def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
+        """The conversation `previous_response_id` continues: its input items and its output."""
+        if previous_id is None:
+            return []
+        record = await self.store.get(previous_id)
+        if record is None:
+            error = not_found(previous_id, self.settings)
+            error.param = "previous_response_id"
+            raise error
+        response = record["response"]
+        if response["status"] not in TERMINAL:
+            response = await self.current(previous_id)
+        if response["status"] not in ("completed", "incomplete"):  # an incomplete one still has its text
+            raise InvalidRequest(
+                f"previous_response_id {previous_id!r} is {response['status']}; only a completed or "
+                "incomplete response can be continued",
+                param="previous_response_id",
+            )
+        previous = parse_responses_request(record["request"])
+        return [*record["history"], *input_messages(previous), *output_messages(response["output"])]
+
+    def _keep(self, reader: Subscription, record: Record) -> None:
+        """Follow a background response to its end on this replica and store the final object."""
+
+        async def keep() -> None:
+            folder = ResponseFolder(record["base"])
+            async for _ in translate(reader, folder):
+                pass
+            await self._save(record, folder.response)
+
+        task = asyncio.get_running_loop().create_task(keep())
+        self._keepers.add(task)
+        task.add_done_callback(self._kept)
+
+    def _kept(self, task: asyncio.Task[None]) -> None:
+        self._keepers.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a background response's keeper failed: %r", task.exception())
+
+    async def _save(self, record: Record, response: dict[str, Any]) -> None:
+        if record["request"].get("store", True) is False:
+            return
+        record = {**record, "response": response}
+        with contextlib.suppress(BundleError):  # logged by the store's caller on the next read
+            await self.store.put(record["id"], record)
+
+    # --- read ------------------------------------------------------------------------------------
+    async def record(self, response_id: str) -> Record:
+        record = await self.store.get(response_id)
+        if record is None:
+            raise not_found(response_id, self.settings)
+        return record
+
+    async def current(self, response_id: str) -> dict[str, Any]:
+        """The Response object as it is now: stored when final, else folded from its log."""
+        record = await self.record(response_id)
+        if record["response"]["status"] in TERMINAL:
+            return dict(record["response"])
+        folder = ResponseFolder(record["base"])
+        try:
+            reader = await self._follow(record)
+        except EventsGone as error:  # the replica running it died, or nothing of it is held any more
+            folder.start()
+            folder.fail(error.code or "events_gone", error.message)
+        else:
+            await _fold_for_now(translate(reader, folder))
+        if folder.status in TERMINAL:
+            await self._save(record, folder.response)
+        return folder.response
+
+    async def events(self, response_id: str, starting_after: int | None) -> AsyncIterator[Event]:
+        """The response's events after `starting_after` (all when None), live until its end."""
+        record = await self.record(response_id)
+        folder = ResponseFolder(record["base"])
+        after = -1 if starting_after is None else starting_after
+        try:
+            reader = await self._follow(record)
+        except EventsGone as error:
+            source = _failed_source(folder, error)
+        else:
+            await reader.admitted()
+            source = translate(reader, folder)
+        return _after(source, after)
+
+    async def _follow(self, record: Record) -> Subscription:
+        request = parse_responses_request(record["request"])
+        body = chat_body(request, record["history"])
+        return await open_generation(self.service, body, record["id"], follow_only=True)
+
+    # --- cancel and delete -----------------------------------------------------------------------
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        record = await self.record(response_id)
+        if not record["response"].get("background"):
+            raise InvalidRequest("only background responses can be cancelled", param="response_id")
+        if record["response"]["status"] not in TERMINAL:
+            with contextlib.suppress(NotFound):  # it ended (and was let go) meanwhile
+                await cancel_generation(self.service, response_id)
+        return await self.current(response_id)
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        record = await self.record(response_id)
+        if record["response"]["status"] not in TERMINAL:
+            with contextlib.suppress(NotFound):
+                await cancel_generation(self.service, response_id)
+        await self.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _new_record(response_id: str, request: ResponsesRequest, history: list[dict[str, Any]]) -> Record:
+    base = base_object(response_id, request, int(time.time()))
+    return {
+        "id": response_id,
+        "request": request.model_dump(mode="json", by_alias=True, exclude_unset=True),
+        "history": history,
+        # Every reader folds the log from this same start (`response` is the object as last known).
+        "base": base,
+        "response": base,
+    }
+
+
+async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterator[Event]:
+    """The Responses events of a generation's chat stream, from its first event to its end."""
+    for event in folder.start():
+        yield event
+    try:
+        async for chunk in reader.events():
+            for data in sse_payloads(chunk):
+                events = folder.on_done() if data == b"[DONE]" else folder.on_chunk(orjson.loads(data))
+                for event in events:
+                    yield event
+    finally:
+        reader.close()
+    if not folder.ended:  # never without a terminal event: the SDK's stream helper needs one
+        for event in folder.fail("stream_ended", "the generation's events ended without an end"):
+            yield event
+
+
+async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncIterator[Event]:
+    for event in [*folder.start(), *folder.fail(error.code or "events_gone", error.message)]:
+        yield event
+
+
+async def _after(source: AsyncIterator[Event], after: int) -> AsyncIterator[Event]:
+    async for event in source:
+        if event["sequence_number"] > after:
+            yield event
+
+
+def sse_payloads(chunk: bytes) -> list[bytes]:
+    """The `data:` payloads of one or more SSE frames (a reader may get a backlog in one piece)."""
+    payloads = []
+    for frame in chunk.split(b"\n\n"):
+        for line in frame.split(b"\n"):
+            if line.startswith(b"data: "):
+                payloads.append(line[6:])
+    return payloads
+
+
+async def _fold_for_now(events: AsyncIterator[Event]) -> None:
+    """Read what the log holds now: stop after FOLD_IDLE_S without a new event (or at the end)."""
+    iterator = aiter(events)
+    deadline = time.monotonic() + FOLD_BOUND_S
+    try:
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(anext(iterator), FOLD_IDLE_S)
+            except (StopAsyncIteration, TimeoutError):
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse_frame(event: Event) -> bytes:
+    """One Responses event on the wire; its SSE id is its sequence number."""
+    return b"event: %s\nid: %d\ndata: %s\n\n" % (
+        event["type"].encode(),
+        event["sequence_number"],
+        orjson.dumps(event),
+    )

@@ -1,0 +1,104 @@
+"""HTTP routes of the Responses API: translate HTTP to `Responses` calls and back, nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from shared.api import SSE_HEADERS, EventStreamResponse, _check_admission, _read_json, _service
+from shared.errors import EngineUnavailable, InvalidRequest
+from shared.headers import parse_request_id
+from shared.responses.events import Event, ResponseFolder
+from shared.responses.manager import Created, Responses, sse_frame, translate
+from shared.responses.request import parse_responses_request
+from shared.settings import Settings
+
+MAX_STARTING_AFTER_DIGITS = 18
+
+
+def add_routes(app: FastAPI, settings: Settings) -> None:
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        _check_admission(request)
+        body = parse_responses_request(await _read_json(request, settings))
+        key = _client_key(request)
+        responses = _responses(request)
+        created = await responses.create(body, key)
+        headers = {"X-Request-Id": key} if key else {}
+        if body.background:
+            if not body.stream:
+                return JSONResponse(created.record["base"], headers=headers)
+            events = await responses.events(created.record["id"], None)
+            return _event_stream(events, headers)
+        if body.stream:
+            return _event_stream(_stored_at_end(responses, created), headers)
+        folder = ResponseFolder(created.record["base"])
+        async for _ in translate(created.reader, folder):
+            pass
+        await responses._save(created.record, folder.response)
+        return JSONResponse(folder.response, headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> Response:
+        responses = _responses(request)
+        if request.query_params.get("stream", "false").lower() != "true":
+            return JSONResponse(await responses.current(response_id))
+        starting_after = _starting_after(request.query_params.get("starting_after"))
+        return _event_stream(await responses.events(response_id, starting_after), {})
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(request: Request, response_id: str) -> Response:
+        return JSONResponse(await _responses(request).cancel(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> Response:
+        return JSONResponse(await _responses(request).delete(response_id))
+
+
+def _responses(request: Request) -> Responses:
+    _service(request)  # 503 while the engine starts
+    responses: Responses | None = getattr(request.app.state, "responses", None)
+    if responses is None:
+        raise EngineUnavailable("the engine is starting")
+    return responses
+
+
+def _client_key(request: Request) -> str | None:
+    """X-Request-Id, else Idempotency-Key: either makes the create call idempotent."""
+    key = parse_request_id(request.headers.get("x-request-id"))
+    if key is None:
+        key = parse_request_id(request.headers.get("idempotency-key"), param="Idempotency-Key")
+    return key
+
+
+def _starting_after(raw: str | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > MAX_STARTING_AFTER_DIGITS:
+        raise InvalidRequest("starting_after must be a non-negative integer", param="starting_after")
+    return int(raw)
+
+
+def _event_stream(events: AsyncIterator[Event], headers: dict[str, str]) -> Response:
+    return EventStreamResponse(_frames(events), headers={**SSE_HEADERS, **headers})
+
+
+async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield sse_frame(event)
+    finally:
+        aclose: Any = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _stored_at_end(responses: Responses, created: Created) -> AsyncIterator[Event]:
+    """A plain (not background) stream; its final object is stored once it ends."""
+    folder = ResponseFolder(created.record["base"])
+    async for event in translate(created.reader, folder):
+        yield event
+    await responses._save(created.record, folder.response)

@@ -1,0 +1,225 @@
+"""The Responses API (issue 30) against a real server on the real vLLM CPU engine, through the
+official `openai` SDK: background mode, resume with `starting_after`, cancel, chained turns,
+identity, storage and bad input."""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from shared.service import Service
+from tests.conftest import LiveServers, wait_until
+
+LONG = 1500  # output tokens: still running while a test acts on it (random weights rarely stop)
+# The tiny model's random weights almost never choose to stop, so a response that must end as
+# `completed` (not `incomplete` at max_output_tokens) is held to a JSON schema with one allowed
+# value: the grammar ends it, after a couple of dozen forced tokens.
+SENTENCE = "the quick brown fox jumps over the lazy dog and runs far away into the woods"
+ENDS = {
+    "format": {
+        "type": "json_schema",
+        "name": "fixed",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"story": {"type": "string", "enum": [SENTENCE]}},
+            "required": ["story"],
+            "additionalProperties": False,
+        },
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def server(live: LiveServers) -> tuple[str, Service]:
+    return live.serve(responses_retention_s=60.0)
+
+
+@pytest.fixture
+def client(server: tuple[str, Service]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+def parsed_faithfully(event: Any) -> bool:
+    """The SDK parsed the event into the class of its own type (an unknown type silently lands
+    in the union's first class, whose `type` literal then does not match)."""
+    return event.type in typing.get_args(type(event).model_fields["type"].annotation)
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_background_stream_resumes_after_a_drop_with_no_gap_and_no_duplicate(client: openai.OpenAI) -> None:
+    args = {
+        "model": "tiny",
+        "input": "tell me a story",
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "text": ENDS,
+    }
+    first = client.responses.create(**args, background=True, stream=True)
+    seen = [next(first) for _ in range(5)]
+    first.close()  # the client drops the connection
+    response_id = seen[0].response.id
+    k = seen[-1].sequence_number
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=k))
+
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers))), numbers  # from 0, each once, in order
+    assert rest[0].sequence_number == k + 1
+    assert rest[-1].type == "response.completed"
+    assert all(parsed_faithfully(e) for e in seen + rest)
+    assert [e.type for e in seen[:2]] == ["response.created", "response.in_progress"]
+    assert seen[0].response.status == "queued" and seen[0].response.background is True
+
+    plain = client.responses.create(**args)  # not background, not streamed
+    assert plain.status == "completed" and plain.output_text
+    assert text_of(seen + rest) == plain.output_text
+    final = client.responses.retrieve(response_id)
+    assert final.status == "completed" and final.output_text == plain.output_text
+    assert final.usage is not None and final.usage.output_tokens == plain.usage.output_tokens  # type: ignore[union-attr]
+    assert rest[-1].response.output_text == plain.output_text
+    assert SENTENCE in plain.output_text and len(rest) > 10
+
+
+def test_the_sdk_stream_helper_accepts_every_event(client: openai.OpenAI) -> None:
+    with client.responses.stream(model="tiny", input="hello", max_output_tokens=200, text=ENDS) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_response()
+    assert all(parsed_faithfully(e) for e in events)
+    assert final.status == "completed" and final.output_text == text_of(events)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
+def test_background_poll_reports_progress_and_usage(client: openai.OpenAI) -> None:
+    created = client.responses.create(model="tiny", input="count", max_output_tokens=30, background=True)
+    assert created.status == "queued" and created.id.startswith("resp_") and len(created.id) >= 40
+    statuses = []
+
+    def ended() -> bool:
+        statuses.append(client.responses.retrieve(created.id).status)
+        return statuses[-1] in ("completed", "incomplete")
+
+    wait_until(ended, timeout=50, interval=0.05)
+    assert set(statuses) <= {"queued", "in_progress", "incomplete"}, statuses
+    done = client.responses.retrieve(created.id)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert done.usage is not None and done.usage.output_tokens > 0 and done.usage.input_tokens > 0
+    assert done.output_text
+
+
+def test_cancel_mid_stream_gives_cancelled(client: openai.OpenAI) -> None:
+    stream = client.responses.create(
+        model="tiny", input="go on", max_output_tokens=LONG, background=True, stream=True
+    )
+    seen = [next(stream) for _ in range(6)]
+    cancelled = client.responses.cancel(seen[0].response.id)
+    assert cancelled.status == "cancelled"
+    rest = list(stream)
+    assert rest[-1].type == "response.failed" and rest[-1].response.status == "cancelled"
+    assert all(parsed_faithfully(e) for e in rest)
+    assert client.responses.retrieve(seen[0].response.id).status == "cancelled"
+
+
+def test_previous_response_id_chains_two_turns(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="tiny", input="my name is Ada", max_output_tokens=8, temperature=0)
+    second = client.responses.create(
+        model="tiny",
+        input="what is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
+    alone = client.responses.create(model="tiny", input="what is my name?", max_output_tokens=8, temperature=0)
+    assert first.usage is not None and second.usage is not None and alone.usage is not None
+    # The second turn's prompt holds the first turn's input and output before its own input.
+    assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens + 3
+
+
+def test_the_same_request_id_names_one_response_and_a_different_body_is_422(
+    client: openai.OpenAI, server: tuple[str, Service]
+) -> None:
+    body = {"model": "tiny", "input": "once", "max_output_tokens": 10, "temperature": 0}
+    headers = {"X-Request-Id": "responses-identity-1"}
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        one = http.post("/v1/responses", json=body, headers=headers)
+        two = http.post("/v1/responses", json=body, headers=headers)
+        other = http.post("/v1/responses", json={**body, "input": "twice"}, headers=headers)
+    assert one.status_code == two.status_code == 200
+    assert one.json()["id"] == two.json()["id"] and one.json()["output"] == two.json()["output"]
+    assert other.status_code == 422 and other.json()["error"]["code"] == "request_id_conflict"
+
+
+def test_delete_removes_and_an_unknown_id_is_a_clear_404(client: openai.OpenAI) -> None:
+    made = client.responses.create(model="tiny", input="x", max_output_tokens=4)
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(made.id)
+    assert "expired after the retention" in str(gone.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "input_file", "file_id": "f"}]}, "input.0.type"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "hi", "temperature": 3}, "temperature"),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "hi", "background": True, "store": False}, None),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(
+    client: openai.OpenAI, body: dict[str, Any], param: str | None
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="tiny", **body)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == param and error["message"]
+
+
+def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai.OpenAI) -> None:
+    structured = client.responses.create(model="tiny", input="a story", text=ENDS, max_output_tokens=200)  # type: ignore[arg-type]
+    assert json.loads(structured.output_text) == {"story": SENTENCE}
+    zones = {"type": "string", "enum": ["UTC", "CET"]}
+    parameters = {
+        "type": "object",
+        "properties": {"tz": zones},
+        "required": ["tz"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "name": "get_time", "parameters": parameters}
+    called = client.responses.create(
+        model="tiny",
+        input="time?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=60,  # type: ignore[list-item]
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert called.status == "completed", called
+    assert calls and calls[0].name == "get_time" and json.loads(calls[0].arguments)["tz"] in ("UTC", "CET")

@@ -1,0 +1,65 @@
+"""The chat-chunk -> Responses-event translation on its own (no engine): text then a tool call,
+an error that means cancelled, and that the SDK parses each event into its own class."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from openai._models import construct_type
+from openai.types.responses import ResponseStreamEvent
+
+from shared.responses.events import ResponseFolder, base_object
+from shared.responses.request import parse_responses_request
+
+
+def folder() -> ResponseFolder:
+    request = parse_responses_request({"model": "tiny", "input": "hi", "background": True})
+    return ResponseFolder(base_object("resp_" + "ab" * 24, request, 1))
+
+
+def chunk(**delta: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def parsed(events: list[dict[str, Any]]) -> list[Any]:
+    out = [construct_type(type_=ResponseStreamEvent, value=event) for event in events]
+    for event in out:  # an unknown type would land in another class, whose literal differs
+        assert event.type in typing.get_args(type(event).model_fields["type"].annotation), event.type
+    return out
+
+
+def test_text_then_a_tool_call_closes_the_message_first_and_numbers_every_event() -> None:
+    fold = folder()
+    events = fold.start()
+    events += fold.on_chunk(chunk(content="Let me "))
+    events += fold.on_chunk(chunk(content="look."))
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+    events += fold.on_chunk(chunk(tool_calls=[call]))
+    events += fold.on_chunk(chunk(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]))
+    events += fold.on_chunk(
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}
+    )
+    events += fold.on_done()
+    parsed(events)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["status"] == "completed"
+    assert final["output"][0]["content"][0]["text"] == "Let me look."
+    assert final["output"][1]["arguments"] == '{"a": 1}' and final["output"][1]["call_id"] == "call_1"
+    assert final["usage"]["total_tokens"] == 12
+    assert events[0]["response"]["status"] == "queued" and events[1]["response"]["status"] == "in_progress"
+
+
+def test_a_cancel_error_ends_with_failed_and_status_cancelled() -> None:
+    fold = folder()
+    events = fold.start() + fold.on_chunk(chunk(content="x"))
+    events += fold.on_chunk(
+        {"error": {"message": "generation aborted: cancelled", "code": "request_cancelled"}}
+    )
+    assert fold.on_done() == []  # the [DONE] after the error adds nothing
+    parsed(events)
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
+    assert events[-2]["type"] == "response.output_item.done"  # the open message is closed first
