@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The deploy images run Python 3.12, where a small request's task starts eagerly
-# (shared/http_limits.py); the engine's CPU build is for 3.11. So the HTTP layer's tests also
+# (shared/http/limits.py); the engine's CPU build is for 3.11. So the HTTP layer's tests also
 # run on 3.12, in a venv of their own without the engine.
 # pyenv (this project's machines) keeps 3.12 beside the default 3.11; elsewhere, python3.12 on PATH.
 PYTHON312 ?= $(shell PYENV_VERSION=3.12 pyenv which python3.12 2>/dev/null || command -v python3.12)
@@ -39,9 +39,9 @@ serve: $(STAMP)
 # the engine-free tests, i.e. the scripted-engine units, the HTTP layer's hostile-input tests (the
 # ones needing the real engine skip under BUNDLE_TESTS_WITHOUT_ENGINE) and the cost model, less
 # those marked `slow`. New tests in these files join it unless marked `slow`.
-CHECK_TESTS ?= tests/test_core_units.py tests/test_hostile.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
+CHECK_TESTS ?= tests/test_layout.py tests/test_bundle_client.py tests/test_core_units.py tests/test_hostile.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
 check: $(STAMP)
-	$(PY) -m ruff check shared modal_app cost_model cog bench tests
+	$(PY) -m ruff check shared bundle_client modal_app cost_model cog bench tests
 	$(PY) -m mypy cost_model
 	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(PY) -m pytest -q -m 'not slow' $(CHECK_TESTS)
 
@@ -80,7 +80,7 @@ bench-prefix: $(STAMP)
 VLLM_BENCH_PROMPTS ?= 200
 VLLM_BENCH_OUT ?= bench/results/vllm-bench-serve
 vllm-bench: $(STAMP)
-	tokenizer=$$($(PY) -c "from shared.engine import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
+	tokenizer=$$($(PY) -c "from shared.engine.vllm import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
 	for pair in openai-chat:/v1/chat/completions openai:/v1/completions; do \
 	  $(PY) bench/vllm_client.py --backend $${pair%%:*} --endpoint $${pair#*:} \
 	    --base-url http://$(HOST):$(PORT) --model tiny --tokenizer $$tokenizer \
@@ -91,10 +91,10 @@ vllm-bench: $(STAMP)
 	done
 
 cog-schema: $(STAMP)
-	$(PY) -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json
+	$(PY) cog/cog_schema.py cog/predict.py:Runner > .cog/openapi_schema.json
 
 lint: $(STAMP)
-	$(PY) -m ruff check shared modal_app cost_model cog bench tests
+	$(PY) -m ruff check shared bundle_client modal_app cost_model cog bench tests
 
 clean:
 	rm -rf $(VENV) $(VENV312) .pytest_cache

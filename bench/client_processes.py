@@ -15,7 +15,7 @@ from typing import Any
 from bench.loadgen import Sample, gather_limited, loop_lag_watched, summarise, with_client_lag
 from bench.requesters import http_requester, load_client, open_connections
 from bench.workload import Workload
-from shared.engine_outputs import Tally
+from shared.obs.engine_outputs import Tally
 
 
 def run_level_in_processes(

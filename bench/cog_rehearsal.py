@@ -44,7 +44,7 @@ from bench.loadgen import run_level
 from bench.requesters import load_client
 from bench.servers import bundle_command, free_port, running_server
 from bench.workload import Workload
-from shared.engine import resolve_model_path
+from shared.engine.vllm import resolve_model_path
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,7 +256,7 @@ def rehearse_cog(args: argparse.Namespace, workload: Workload, texts: Texts) -> 
         report: dict[str, Any] = {"status": status, "setup_s": round(setup_s, 2), "slots": args.slots}
         report["compile_cache_entries_before"] = cache_before
         report["vllm_phases"] = phase_lines(log)
-        # shared/child_output.py's line from each child forked in coglet's worker (vLLM's
+        # cog/child_output.py's line from each child forked in coglet's worker (vLLM's
         # engine core on GPUs; none on CPU, where vLLM spawns it).
         report["forked_children"] = _count(log, "forked from coglet's worker")
         _log(f"cog: {status} after {setup_s:.1f} s")

@@ -13,15 +13,21 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
 from bench.loadgen import Requester, Sample
-from shared.cog_bridge import DEFAULT_TOP_K, DEFAULT_TOP_P
 
 AT_CAPACITY = "HTTP 409"  # coglet 0.23.1: "At capacity - all prediction slots busy"
+
+# The Cog inputs' defaults as coglet applies them: from the schema that `make cog-schema` writes
+# (the runner's own modules in cog/ are no package, `import cog` being the SDK).
+_COG_INPUTS = orjson.loads((Path(__file__).resolve().parents[1] / ".cog" / "openapi_schema.json").read_bytes())
+DEFAULT_TOP_P: float = _COG_INPUTS["components"]["schemas"]["Input"]["properties"]["top_p"]["default"]
+DEFAULT_TOP_K: int = _COG_INPUTS["components"]["schemas"]["Input"]["properties"]["top_k"]["default"]
 
 
 @dataclass

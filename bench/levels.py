@@ -39,9 +39,9 @@ class Meters:
     # The bundle's admission: from a request's first byte read to its generation admitted (on
     # Python 3.12 the engine has it by then). The part of the above that the server itself sees.
     server_admission: HistogramCounter | None = None
-    # How late the bundle's event loop ran its 100 ms timer (shared/loop_lag.py): a busy loop.
+    # How late the bundle's event loop ran its 100 ms timer (shared/obs/loop_lag.py): a busy loop.
     server_loop_lag: HistogramCounter | None = None
-    # The engine's step outputs in the API process (shared/engine_outputs.py), raw and bundle
+    # The engine's step outputs in the API process (shared/obs/engine_outputs.py), raw and bundle
     # alike: how long they waited to be taken up, and how long handing them out took.
     engine_output_wait: HistogramCounter | None = None
     engine_output_handling: HistogramCounter | None = None

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from shared.engine_outputs import Tally
-from shared.loop_lag import watch_loop_lag
+from shared.obs.engine_outputs import Tally
+from shared.obs.loop_lag import watch_loop_lag
 
 # The load generator watches its own event loop too: a client process that falls behind its
 # streams adds to every TTFT it measures, and that time is not the server's. (For raw it is the

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 
-from shared.engine import engine_args
+from shared.engine.vllm import engine_args
 from shared.settings import Settings
 
 
@@ -90,7 +90,7 @@ def vllm_server_command(settings: Settings, port: int) -> list[str]:
         str(args.gpu_memory_utilization),
         "--max-num-seqs",
         str(args.max_num_seqs),
-        "--disable-log-stats",  # as the bundle's engine (shared/engine.py)
+        "--disable-log-stats",  # as the bundle's engine (shared/engine/vllm.py)
     ]
     if args.enforce_eager:
         command.append("--enforce-eager")
@@ -190,7 +190,7 @@ def process_cpu_s(pid: int) -> float:
 
 def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
     """Reads the bundle's prefix-cache counts (prompt tokens looked up, found) from the file its
-    server publishes (shared/stats_file.py); (0, 0) until the first write."""
+    server publishes (shared/engine/stats_file.py); (0, 0) until the first write."""
 
     def read() -> tuple[int, int]:
         try:

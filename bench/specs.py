@@ -1,7 +1,7 @@
 """Target names on the command line: `kind[:preset]`, and how each kind is configured.
 
-raw, bundle, vllm_server          the same engine flags for all three (shared/engine.py)
-bundle:throughput, raw:latency    the same, with a deploy preset (shared/presets.py)
+raw, bundle, vllm_server          the same engine flags for all three (shared/engine/vllm.py)
+bundle:throughput, raw:latency    the same, with a deploy preset (shared/engine/presets.py)
 vllm_server:defaults              `vllm serve` with vLLM's own defaults, the bar to beat
 """
 

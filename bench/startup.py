@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from bench.servers import wait_healthy
-from shared.caches import compile_cache_env
+from modal_app.caches import compile_cache_env
 from shared.settings import Settings
 
 SCHEMA = "bundle-startup/1"
@@ -213,7 +213,7 @@ def path_env(path: str, caches: Path) -> dict[str, str]:
 
 
 def cache_env(caches: Path) -> dict[str, str]:
-    # All three caches or none, as a deploy keeps them (shared/caches.py): otherwise an "empty"
+    # All three caches or none, as a deploy keeps them (modal_app/caches.py): otherwise an "empty"
     # cache would still find inductor's kernels in /tmp.
     return compile_cache_env(str(caches))
 
@@ -240,7 +240,7 @@ def run_server_paths(paths: list[str], runs: int, model: str, work: Path, timeou
 def run_wake_path(runs: int, settings: Settings, caches: Path) -> dict[str, Any]:
     """Sleep/wake cycles of one engine, through the lifecycle functions Modal's hooks call.
     The engine runs in this process, on the warm compile cache (as a snapshot would hold it)."""
-    from shared.engine import sleep_mode_available
+    from shared.engine.vllm import sleep_mode_available
 
     if not sleep_mode_available():
         return {"runs": [], "unsupported": "this vLLM build has no sleep mode (CUDA only)"}

@@ -30,13 +30,13 @@ import orjson
 from bench.levels import Meters
 from bench.servers import free_port, process_cpu_s, running_server
 from bench.workload import Workload
-from shared.engine import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
 
 BASELINE = "baseline"
 
 
 class SteppedEngine:
-    """`shared.engine.Engine` that gives every running generation one token per step."""
+    """`shared.engine.vllm.Engine` that gives every running generation one token per step."""
 
     def __init__(self, step_s: float, vocab_size: int = 1000) -> None:
         self.info = EngineInfo(model_name="stepped", max_model_len=4096, vocab_size=vocab_size)
@@ -96,8 +96,8 @@ class SteppedEngine:
 
 def serve(port: int, step_s: float) -> int:
     """The bundle's server over the stepped engine (settings from BUNDLE_* as usual)."""
-    from shared.api import create_app
-    from shared.process import run_server
+    from shared.http.api import create_app
+    from shared.http.process import run_server
     from shared.settings import Settings
 
     settings = Settings(port=port, access_log=False)

@@ -1,6 +1,6 @@
 """`python -m bench.store_writes`: what appending a flush of events costs the API process.
 
-The shared identity store (shared/store.py) appends every event of a flush with one script
+The shared identity store (shared/identity/store.py) appends every event of a flush with one script
 call. This compares that with the obvious alternative, one XADD per event in a pipeline, on the
 same local valkey-server and the same events, reporting the client's CPU per event (the cost
 that lands on the API process's one event loop) and the wall time per flush.
@@ -17,7 +17,7 @@ import time
 from redis.asyncio import Redis
 
 from bench.redis_overhead import local_store
-from shared.store import APPEND_SCRIPT
+from shared.identity.store import APPEND_SCRIPT
 
 EVENT = b'{"id":"cmpl-0123456789abcdef","object":"text_completion","choices":[{"index":0,"text":" word"}]}'
 

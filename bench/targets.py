@@ -12,8 +12,8 @@ from bench.levels import NO_METERS, LevelRunner, Meters, run_levels
 from bench.loadgen import Requester, run_level
 from bench.requesters import engine_requester, http_requester, load_client, open_connections
 from bench.workload import Workload
-from shared.engine import batch_token_budget, import_engine_modules, start_llm, stop_llm
-from shared.engine_outputs import time_engine_outputs
+from shared.engine.vllm import batch_token_budget, import_engine_modules, start_llm, stop_llm
+from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Settings
 
 WARM_UP_REQUESTS = 4  # graphs, caches, connections; their prompts are a batch of their own
@@ -31,7 +31,7 @@ def scheduled(one: Requester, workload: Workload) -> LevelRunner:
 
 def import_engine() -> None:
     """Import vLLM's engine before any frame that will hold one exists (see
-    `shared.engine.import_engine_modules`: otherwise `make bench` ended with an `AsyncLLM.__del__`
+    `shared.engine.vllm.import_engine_modules`: otherwise `make bench` ended with an `AsyncLLM.__del__`
     traceback)."""
     import_engine_modules()
 
@@ -46,7 +46,7 @@ async def bench_raw(
         await run_level(one, workload.prompts(WARM_UP_REQUESTS, "warm-up"), WARM_UP_REQUESTS)
         # process_time: this process's CPU, where vLLM's client side (output handling,
         # detokenizing) runs as it does in a server's API process, minus HTTP.
-        timings = time_engine_outputs(llm)  # as the bundle's engine does (shared/engine_outputs.py)
+        timings = time_engine_outputs(llm)  # as the bundle's engine does (shared/obs/engine_outputs.py)
         meters = Meters(
             serving_cpu=time.process_time,
             engine_output_wait=timings.wait.reading,

@@ -12,15 +12,15 @@ How streaming AND concurrency work on cog/coglet 0.23.1 (the pinned version):
   moment it is yielded. The generator waits for each piece with
   `run_coroutine_threadsafe(...).result()`, which parks only that slot thread (GIL released), so
   N predictions stream side by side while the loop keeps serving the engine.
-- Cancel: coglet does not tell the generator; `shared.cog_bridge.install_coglet_cancel_hook`
+- Cancel: coglet does not tell the generator; `cog_bridge.install_coglet_cancel_hook`
   intercepts coglet's cancel and aborts the engine request (fragile, checked, explained there).
 
 dtype: on this bundle's CPU test machine an engine in bf16 started under coglet dies with SIGILL
 at its first forward pass (the CPU has AMX, which Linux grants per process on request; inside
 coglet's process tree that request evidently fails), while float32 works. The core's tiny model
-is float32 (`shared.engine._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
+is float32 (`shared.engine.vllm._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
 
-Forked children (vLLM's engine core on GPUs): see shared/child_output.py.
+Forked children (vLLM's engine core on GPUs): see cog/child_output.py.
 
 Settings: coglet 0.23.1 passes its own environment to the worker (measured), so BUNDLE_* work
 locally, and in an image built by `cog build` from cog.yaml's `environment:`.
@@ -28,21 +28,33 @@ locally, and in an image built by `cog build` from cog.yaml's `environment:`.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# coglet loads this file by path (cog.predictor.load_predictor_from_ref: spec_from_file_location),
+# which puts neither this folder nor the repository root on sys.path; and this folder cannot be a
+# package, since `import cog` is the Cog SDK. So the Cog-side modules beside this file
+# (cog_bridge, child_output, cog_schema) are top-level modules found through this folder, and
+# the root comes first so that `shared` is this checkout's, not another installed copy.
+for _folder in (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
 import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import child_output
+import cog_bridge as bridge
 import coglet
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
-from shared import child_output
-from shared import cog_bridge as bridge
 from shared.assembly import start_service
 
 bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
 # Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
-# log (coglet's own stream objects die with fork; why in shared/child_output.py).
+# log (coglet's own stream objects die with fork; why in cog/child_output.py).
 child_output.give_forked_children_plain_streams(under_coglet=coglet.server.active)
 
 

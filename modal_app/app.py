@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any
 
 import modal
 
+from modal_app.caches import compile_cache_env
 from modal_app.settings import ModalSettings
-from shared.caches import compile_cache_env
+from shared.engine.presets import apply_preset
 from shared.lifecycle import EngineLifecycle  # light: vLLM is imported only when an engine starts
-from shared.presets import apply_preset
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -99,9 +99,9 @@ image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
     .uv_pip_install(*PACKAGES)
     # The core as local source, mounted at container start (no rebuild when it changes).
-    # .txt too: the built-in "tiny" model trains its tokenizer on shared/tiny_corpus.txt,
+    # .txt too: the built-in "tiny" model trains its tokenizer on shared/engine/tiny_corpus.txt,
     # which makes BUNDLE_MODEL=tiny a cheap end-to-end deploy check.
-    .add_local_python_source("shared", ignore=~modal.FilePatternMatcher("**/*.py", "**/*.txt"))
+    .add_local_python_source("shared", "bundle_client", ignore=~modal.FilePatternMatcher("**/*.py", "**/*.txt"))
 )
 
 # --- Caches that outlive containers -----------------------------------------------------------
@@ -118,7 +118,7 @@ CONTAINER_ENV: dict[str, str | None] = {
     **SETTINGS.deploy_env(),
     **MODAL.deploy_env(),
     "HF_HOME": HF_CACHE_DIR,
-    # vLLM's, inductor's and Triton's compiled artifacts, all on the volume (shared/caches.py).
+    # vLLM's, inductor's and Triton's compiled artifacts, all on the volume (modal_app/caches.py).
     **compile_cache_env(VLLM_CACHE_DIR),
     # Also where LoRA adapters from tar URLs are unpacked (<cache dir>/lora; those from Hugging
     # Face land in HF_HOME): on the volume, so a fine-tune downloads once per volume, not per start.
@@ -225,7 +225,7 @@ class Server:
 def _build_app(lifecycle: EngineLifecycle | None) -> FastAPI:
     """The core's app: on the snapshot hooks' engine when there is one, else the app's lifespan
     starts the engine. In a container, a dead engine retires the container."""
-    from shared.api import create_app
+    from shared.http.api import create_app
 
     retire = None if modal.is_local() else _retire_container
     if lifecycle is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from bundle_client.client import ResumableClient
 from modal_app.settings import ModalSettings
-from shared.client import ResumableClient
 from shared.settings import Settings
 
 SMOKE_PROMPT = "In three sentences, why does continuous batching make GPU inference cheaper?"

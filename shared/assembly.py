@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from shared.engine import Engine, open_engine
+from shared.engine.vllm import Engine, open_engine
 from shared.lifecycle import warm_up_once
 from shared.server_state import GuardedEngine, Lifecycle
 from shared.service import Service

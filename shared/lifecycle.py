@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from shared.engine import Engine, SamplingRequest, open_engine
+from shared.engine.presets import apply_preset
+from shared.engine.vllm import Engine, SamplingRequest, open_engine
 from shared.errors import EngineUnavailable
-from shared.presets import apply_preset
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from shared.settings import Settings
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from shared.engine import VLLMEngine
+    from shared.engine.vllm import VLLMEngine
 
 MARKER = "bundle-startup"
 
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
-    from shared.api import create_app
-    from shared.engine import import_vllm, resolve_model_path
-    from shared.process import run_server
+    from shared.engine.vllm import import_vllm, resolve_model_path
+    from shared.http.api import create_app
+    from shared.http.process import run_server
     from shared.server_state import ExitRequest
 
     # The bundle's own start-up lines (engine, request identity) next to uvicorn's.
@@ -84,7 +84,7 @@ def serve(settings: Settings) -> None:
 @asynccontextmanager
 async def marked_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     """`open_engine`, with a marker once the engine answers."""
-    from shared.engine import open_engine
+    from shared.engine.vllm import open_engine
 
     async with open_engine(settings) as engine:
         mark("engine")

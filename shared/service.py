@@ -2,7 +2,7 @@
 
 `api.py` translates HTTP to these calls and the Cog bridge translates Cog's; neither touches the
 registry, the identity store, the engine or the metrics objects. `open` validates, looks up the
-identity (this process's, or the replicas' through BUNDLE_REDIS_URL: shared/identity.py), admits
+identity (this process's, or the replicas' through BUNDLE_REDIS_URL: shared/identity/interface.py), admits
 (or attaches, or resumes) and returns a `Subscription` to follow. `shared.assembly.start_service`
 is the one way a running service is put together.
 """
@@ -18,8 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
-from shared.choices import Choices
-from shared.engine import Engine, SamplingRequest
+from shared.engine.choices import Choices
+from shared.engine.lora import Adapters
+from shared.engine.stats_file import publish_engine_stats
+from shared.engine.structured import OutputConstraint, response_constraint
+from shared.engine.tools import check_tool_schemas, forced_constraint, shaper_for
+from shared.engine.vllm import Engine, SamplingRequest
 from shared.errors import (
     BundleError,
     Cancelled,
@@ -28,19 +32,15 @@ from shared.errors import (
     InvalidRequest,
     NotFound,
 )
-from shared.generation import GenerationOutput, produce
-from shared.identity import Identity, Subscription, identity_for
-from shared.loop_lag import watch_loop_lag
-from shared.lora import Adapters
-from shared.metrics import Metrics
+from shared.identity.generation import GenerationOutput, produce
+from shared.identity.interface import Identity, LocalIdentity, Subscription
+from shared.identity.registry import CancelOutcome, Entry, Registry
+from shared.identity.replay import ReplayBuffer
+from shared.obs.loop_lag import watch_loop_lag
+from shared.obs.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
-from shared.registry import CancelOutcome, Entry, Registry
-from shared.replay import ReplayBuffer
 from shared.settings import Settings
-from shared.stats_file import publish_engine_stats
 from shared.streaming import ChunkEncoder, Kind
-from shared.structured import OutputConstraint, response_constraint
-from shared.tools import check_tool_schemas, forced_constraint, shaper_for
 
 __all__ = ["CancelOutcome", "Service", "Subscription"]
 
@@ -63,11 +63,11 @@ class Service:
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(engine.running_requests)
-        timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/engine_outputs.py)
+        timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/obs/engine_outputs.py)
         if timings is not None:
             self.metrics.watch_engine_outputs(timings)
         self.registry = Registry(settings, self.metrics)
-        # Start-time adapters were loaded with the engine (shared/engine.py, `open_engine`).
+        # Start-time adapters were loaded with the engine (shared/engine/vllm.py, `open_engine`).
         self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
         self.metrics.watch_held(lambda: self.registry.stats()["held_requests"])
         self._identity: Identity = identity_for(settings, self.registry, self.metrics)
@@ -210,7 +210,7 @@ class Service:
         self.metrics.rejected_requests.labels(str(status)).inc()
 
     async def watch_loop_lag(self) -> None:
-        """Until cancelled: how late this event loop runs (shared/loop_lag.py)."""
+        """Until cancelled: how late this event loop runs (shared/obs/loop_lag.py)."""
         await watch_loop_lag(self.metrics.event_loop_lag)
 
     def model_card(self) -> dict[str, object]:
@@ -442,7 +442,7 @@ class Service:
         )
 
     def _choices(self, kind: Kind, body: OpenAIRequest) -> Choices | None:
-        """The slow output path, only for requests that need it (see shared/choices.py)."""
+        """The slow output path, only for requests that need it (see shared/engine/choices.py)."""
         with_logprobs = body.top_logprobs_count is not None
         tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
         if body.n == 1 and not with_logprobs and not tools:
@@ -496,3 +496,17 @@ def _content_chars(content: object) -> int:
     if isinstance(content, list):  # content parts: count their text
         return sum(len(getattr(part, "text", None) or "") for part in content)
     return 0
+
+
+def identity_for(settings: Settings, registry: Registry, metrics: Metrics) -> Identity:
+    """The shared store when BUNDLE_REDIS_URL is set, else this process alone (logged, since a
+    retry that reaches another replica is then not matched)."""
+    if settings.redis_url is None:
+        log.info(
+            "request identity: this process only (BUNDLE_REDIS_URL is not set); a retry or resume "
+            "that reaches another replica is not matched"
+        )
+        return LocalIdentity()
+    from shared.identity.replicas import Replicas  # redis is imported only when a store is configured
+
+    return Replicas(settings, registry, metrics)

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/tiny_model.py
+TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/engine/tiny_model.py
 
 
 def _default_cache_dir() -> Path:
@@ -80,12 +80,12 @@ class Engine(Section):
 
     preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
         None,
-        description="Named engine knobs (shared/presets.py); an engine field set explicitly wins.",
+        description="Named engine knobs (shared/engine/presets.py); an engine field set explicitly wins.",
     )
     dtype: str = Field(
         "auto",
         description="vLLM's weight and compute dtype. 'auto': the checkpoint's, but float32 for the "
-        "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine.py).",
+        "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine/vllm.py).",
     )
     max_model_len: int | None = Field(
         None, description="Longest sequence (prompt + output) in tokens. Unset: the model's own."
@@ -192,7 +192,7 @@ class Lifecycle(Section):
 
 
 class Lora(Section):
-    """LoRA adapters (shared/lora.py)."""
+    """LoRA adapters (shared/engine/lora.py)."""
 
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters beside the base model; a request picks one by `model`."
@@ -242,7 +242,7 @@ class Lora(Section):
 
 
 class Server(Section):
-    """The HTTP listener, its key, and its bounds on hostile clients (shared/http_limits.py)."""
+    """The HTTP listener, its key, and its bounds on hostile clients (shared/http/limits.py)."""
 
     api_key: SecretStr | None = Field(
         None, description="When set, every route but /health needs `Authorization: Bearer <key>`."

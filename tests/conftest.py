@@ -19,8 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from shared.api import create_app
-from shared.engine import Engine, open_engine
+from shared.engine.vllm import Engine, open_engine
+from shared.http.api import create_app
 from shared.service import Service
 from shared.settings import Settings
 from tests.redis_server import redis_server  # noqa: F401  (fixture: a real Redis-protocol server)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from shared.engine import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 

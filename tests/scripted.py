@@ -10,7 +10,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from shared.engine import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
 
 
 class ScriptedEngine:

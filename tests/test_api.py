@@ -229,7 +229,7 @@ def _engine_output_tallies(http: httpx.Client) -> dict[str, float]:
 
 
 def test_the_engines_step_outputs_are_timed_from_vllms_own_stamp(http: httpx.Client) -> None:
-    """shared/engine_outputs.py: every step's outputs, from the engine core's stamp to the API
+    """shared/obs/engine_outputs.py: every step's outputs, from the engine core's stamp to the API
     process taking them up, and how long handing them out took (the real engine, 8 tokens)."""
     before = _engine_output_tallies(http)
     http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c", "max_tokens": 8}).read()

@@ -23,7 +23,7 @@ from bench.requesters import http_requester, load_client
 from bench.servers import logged_batch_tokens, process_cpu_s
 from bench.targets import bench_http
 from bench.workload import Workload
-from shared.api import create_app
+from shared.http.api import create_app
 from shared.settings import Settings
 from tests.conftest import free_port
 from tests.scripted import ScriptedEngine
@@ -479,7 +479,7 @@ def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -
 
 def test_stepped_engine_hands_out_tokens_as_vllms_stream_interval_does() -> None:
     from bench.stepped import SteppedEngine
-    from shared.engine import SamplingRequest
+    from shared.engine.vllm import SamplingRequest
 
     async def counts(interval: int | None) -> list[int]:
         engine = SteppedEngine(step_s=0.001)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from shared.client import ResumableClient, ServerError
+from bundle_client.client import ResumableClient, ServerError
 
 
 def replicate_stream(events: list[tuple[str, str]]) -> httpx.MockTransport:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cog_bridge as bridge
 import httpx
 import pytest
 import yaml
 
-from shared import cog_bridge as bridge
 from shared.errors import InvalidRequest
 from shared.service import Service
 from shared.settings import Settings
@@ -52,7 +52,7 @@ LONG = {"prompt": "tell me a long story", "max_tokens": 900, "temperature": 1.0}
 def test_schema_file_matches_runner_signature() -> None:
     """`make cog-schema` output must equal the checked-in file (run it after changing run())."""
     fresh = subprocess.run(
-        [sys.executable, "-m", "shared.cog_schema", RUNNER_REF],
+        [sys.executable, "cog/cog_schema.py", RUNNER_REF],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -209,7 +209,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
 
 def test_missing_hook_is_reported(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bridge._hook_state, "warned", False)
-    with caplog.at_level(logging.WARNING, logger="shared.cog_bridge"):
+    with caplog.at_level(logging.WARNING, logger="cog_bridge"):
         assert bridge.current_cancel_signal(under_coglet=True) is None
     assert "will not abort the engine request" in caplog.text
     assert bridge.current_cancel_signal(under_coglet=False) is None
@@ -597,7 +597,7 @@ def test_same_request_id_follows_the_same_generation(cog_server: CogServer) -> N
 
 
 def test_core_client_reads_the_cog_server_stream(cog_server: CogServer) -> None:
-    from shared.client import ResumableClient
+    from bundle_client.client import ResumableClient
 
     async def go() -> str:
         async with ResumableClient(cog_server.url) as client:

@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import child_output
 import httpx
 import pytest
-
-from shared import child_output
 
 from .conftest import free_port
 from .test_cog import ROOT, _launch, _stop
@@ -54,7 +53,7 @@ def coglet_messages(log_path: Path) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_forked_engine_child_starts_like_vllm_and_its_output_reaches_coglets_log(tmp_path: Path) -> None:
-    """Fails without the runner's fork hook (shared/child_output.py): the child dies on the
+    """Fails without the runner's fork hook (cog/child_output.py): the child dies on the
     stream decoration (AttributeError) and not one of its lines reaches coglet's log."""
     from tests.cog_fork_runner import MARKER  # a constant; importing the runner here is harmless
 
@@ -88,7 +87,7 @@ def test_the_hook_is_only_for_coglets_worker() -> None:
 
 CHILD_SCRIPT = """
 import logging, multiprocessing, sys
-from shared import child_output
+import child_output
 
 
 class SlotWriter:  # like coglet's: no __dict__, and its lines never leave a forked child

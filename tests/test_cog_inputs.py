@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cog_bridge as bridge
 import httpx
 import pytest
 
-from shared import cog_bridge as bridge
-from shared.engine import resolve_model_path
+from shared.engine.vllm import resolve_model_path
 from shared.errors import EngineUnavailable, IdempotencyConflict, InvalidRequest
 from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.service import Service
@@ -265,7 +265,7 @@ def test_a_shared_store_reaches_the_runner_without_a_caveat(caplog: pytest.LogCa
     the same door as HTTP (tests/test_one_door.py follows one across both), so setup says
     nothing about a container-only match any more."""
     url = "redis://127.0.0.1:1/0"
-    with caplog.at_level("WARNING", logger="shared.cog_bridge"):
+    with caplog.at_level("WARNING", logger="cog_bridge"):
         settings = bridge.runner_settings(None, Settings(redis_url=url))
     assert settings.redis_url is not None and settings.redis_url.get_secret_value() == url
     assert caplog.text == ""

@@ -1,7 +1,7 @@
 """COG_WEIGHTS as Replicate uses it: a URL of a .tar of the model, fetched and unpacked at setup.
 
 A real HTTP server (http.server in a thread) serves tars of the tiny model, once with Range
-support and once without; shared/weights.py downloads them with its real httpx client. Failures
+support and once without; shared/engine/weights.py downloads them with its real httpx client. Failures
 (404, truncated or corrupt archive, a member leading out, a full disk) must each be one
 `WeightsUnavailable` that names the URL and what went wrong.
 """
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import cog_bridge as bridge
 import httpx
 import pytest
 
-from shared import cog_bridge as bridge
-from shared import weights
-from shared.engine import resolve_model_path
+from shared.engine import weights
+from shared.engine.vllm import resolve_model_path
 from shared.errors import WeightsUnavailable
 from shared.settings import Settings
 

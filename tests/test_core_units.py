@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from shared.engine import _finish_reason
+from shared.engine.vllm import _finish_reason
 from shared.errors import (
     EngineUnavailable,
     EventsGone,
@@ -23,8 +23,8 @@ from shared.errors import (
     NotFound,
     Overloaded,
 )
+from shared.identity.replay import ReplayBuffer
 from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from shared.replay import ReplayBuffer
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import ChunkEncoder, Usage, sse_data, sse_event
@@ -415,7 +415,7 @@ def test_completion_chunks_and_whole_responses() -> None:
 
 
 def test_a_failing_engine_gauge_reads_nan_and_the_other_metrics_still_export() -> None:
-    from shared.metrics import Metrics
+    from shared.obs.metrics import Metrics
 
     def broken() -> int:
         raise AttributeError("'AsyncLLM' object has no attribute 'get_num_unfinished_requests'")
@@ -429,12 +429,12 @@ def test_a_failing_engine_gauge_reads_nan_and_the_other_metrics_still_export() -
 
 
 def test_the_lock_free_metrics_expose_exactly_what_prometheus_clients_own_do() -> None:
-    """The per-token counter and histogram (shared/loop_metrics.py) against prometheus_client's
+    """The per-token counter and histogram (shared/obs/loop_metrics.py) against prometheus_client's
     Counter and Histogram fed the same values: the same /metrics text, bar the creation times.
     The values sit on, between, below and above the bounds."""
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-    from shared.loop_metrics import LoopCounter, LoopHistogram
+    from shared.obs.loop_metrics import LoopCounter, LoopHistogram
 
     bounds = (0.001, 0.0025, 0.01, 1, 2.5)
     values = [0.0, 0.0005, 0.001, 0.002, 0.0025, 0.3, 1.0, 2.5, 2.6, 1e9, 0.001]
@@ -459,15 +459,15 @@ def test_the_lock_free_metrics_expose_exactly_what_prometheus_clients_own_do() -
 
 def test_the_send_wrappers_a_stream_body_skips_are_the_ones_that_only_watch_its_start() -> None:
     """EventStreamResponse writes body chunks to the server's own send, past the app's
-    middleware (shared/api.py says why). That is sound only while every middleware between
+    middleware (shared/http/api.py says why). That is sound only while every middleware between
     them passes body messages on unchanged: one that rewrites bodies (compression, say) added
     here would silently miss every stream, so adding any middleware must come through here."""
     from fastapi.middleware.asyncexitstack import AsyncExitStackMiddleware
     from starlette.middleware.errors import ServerErrorMiddleware
     from starlette.middleware.exceptions import ExceptionMiddleware
 
-    from shared.api import BearerAuth, create_app
-    from shared.headers import HeaderGuard
+    from shared.http.api import BearerAuth, create_app
+    from shared.http.headers import HeaderGuard
 
     app = create_app(Settings(api_key="k"), engine=ScriptedEngine())
     layer: Any = app.build_middleware_stack()
@@ -485,7 +485,8 @@ def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> 
     (`--no-access-log`); a plain start keeps it."""
     from fastapi import FastAPI
 
-    from shared import process, serve
+    from shared import serve
+    from shared.http import process
 
     started: list[Settings] = []
     monkeypatch.setattr(serve, "serve", started.append)
@@ -506,7 +507,7 @@ async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
 
     from prometheus_client import CollectorRegistry, Histogram
 
-    from shared.loop_lag import watch_loop_lag
+    from shared.obs.loop_lag import watch_loop_lag
 
     lag = Histogram("lag", "test", buckets=(0.01, 0.1, 1.0), registry=CollectorRegistry())
     watcher = asyncio.create_task(watch_loop_lag(lag, interval_s=0.02))
@@ -520,7 +521,7 @@ async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
 
 
 def test_engine_output_timings_wait_and_handling() -> None:
-    from shared.engine_outputs import OutputTimings, time_engine_outputs
+    from shared.obs.engine_outputs import OutputTimings, time_engine_outputs
 
     timings = OutputTimings()
     timings.asking_again(1.0)  # nothing taken up yet: no handling to count
@@ -548,7 +549,7 @@ async def test_a_stream_whose_request_task_is_cancelled_closes_its_body_and_task
     # A host may cancel the request's task mid-stream (Modal's ASGI wrapper, when it cancels an
     # input) while a write is stuck in a queue nobody reads: the body (the subscription) must be
     # closed and no task left behind, or the generation and its reader count leak.
-    from shared.api import EventStreamResponse
+    from shared.http.api import EventStreamResponse
 
     closed = asyncio.Event()
 

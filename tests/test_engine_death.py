@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from shared.api import create_app
+from shared.http.api import create_app
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.fakes import dying_engine

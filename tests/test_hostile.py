@@ -22,8 +22,8 @@ import uvicorn
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from shared.api import create_app
-from shared.http_limits import uvicorn_options
+from shared.http.api import create_app
+from shared.http.limits import uvicorn_options
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import free_port, long_chat, wait_until
@@ -637,7 +637,7 @@ def _chat_head(body: bytes, *extra: bytes) -> bytes:
 
 
 def test_a_body_that_arrives_after_its_head_is_read_whole(bounded_server: tuple[str, int]) -> None:
-    """A small request's task starts when its body is complete (shared/http_limits.py): a body
+    """A small request's task starts when its body is complete (shared/http/limits.py): a body
     sent 0.3 s after the head, in two parts, is still read whole."""
     body = orjson.dumps(VALID_CHAT)
     head = _chat_head(body, b"Connection: close\r\n")

@@ -3,7 +3,7 @@ parsers the server can run (httptools, the default and the deploy images'; h11 w
 whole or in 8 KB pieces; bodies over the limit get a 413 at once and a closed connection.
 
 Against the real app and engine under a real uvicorn with the bundle's protocol options
-(`shared.http_limits.uvicorn_options`), over raw sockets, so what is timed is the server: a
+(`shared.http.limits.uvicorn_options`), over raw sockets, so what is timed is the server: a
 100-250 KB body used to wait 10 s for a 408 (uvicorn stopped reading at 64 KiB buffered, and
 the request's task waited for the whole body before it started).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from shared.http_limits import lingering_h11_protocol, uvicorn_options
+from shared.http.limits import lingering_h11_protocol, uvicorn_options
 from shared.settings import Settings
 from tests.conftest import LiveServers
 

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from shared.client import ResumableClient, ResumeUnsupported, StreamGone
+from bundle_client.client import ResumableClient, ResumeUnsupported, StreamGone
 from shared.service import Service
 from tests.conftest import LiveServers, long_chat
 from tests.test_api import sse_events

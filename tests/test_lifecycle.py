@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shared.engine import Engine, EngineInfo, SamplingRequest, VLLMEngine
+from shared.engine.vllm import Engine, EngineInfo, SamplingRequest, VLLMEngine
 from shared.errors import EngineUnavailable
 from shared.lifecycle import SAMPLER_TRITON_MIN_ROWS, EngineLifecycle, first_token, warm_up
 from shared.settings import Settings
@@ -25,7 +25,7 @@ from tests.conftest import ENGINE_SETTINGS, LiveServers
 # --- the real CPU engine ------------------------------------------------------------------------
 def test_sleep_and_wake_are_safe_no_ops_on_the_cpu_build(live: LiveServers, caplog: Any) -> None:
     engine = live.engine
-    with caplog.at_level(logging.INFO, logger="shared.engine"):
+    with caplog.at_level(logging.INFO, logger="shared.engine.vllm"):
         live.call(engine.sleep())
         assert not engine.asleep and engine.ready() and engine.healthy()
         live.call(engine.wake_up())
@@ -194,7 +194,7 @@ def test_a_slow_wake_up_is_logged_with_its_phases(caplog: Any) -> None:
 def test_the_api_answers_503_on_health_while_asleep_and_a_request_waits_for_the_wake_up() -> None:
     from fastapi.testclient import TestClient
 
-    from shared.api import create_app
+    from shared.http.api import create_app
 
     llm = SleepyLLM()
     engine = sleepy_engine(llm)

@@ -7,9 +7,9 @@ import random
 
 import httpx
 
-from shared.engine import PrefixCacheCounts
+from shared.engine.stats_file import engine_snapshot
+from shared.engine.vllm import PrefixCacheCounts
 from shared.service import Service
-from shared.stats_file import engine_snapshot
 
 
 def _completion(http: httpx.Client, prompt: list[int]) -> None:

@@ -6,8 +6,8 @@ import typing
 
 import pytest
 
-from shared.engine import engine_args
-from shared.presets import PRESETS, apply_preset
+from shared.engine.presets import PRESETS, apply_preset
+from shared.engine.vllm import engine_args
 from shared.settings import Settings
 
 

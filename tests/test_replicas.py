@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from bench.servers import wait_healthy
-from shared.client import ResumableClient
-from shared.store import PRODUCER_LOST_BOUND_S
+from bundle_client.client import ResumableClient
+from shared.identity.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import free_port, long_chat
 from tests.real_server import ServerProcess, kill_engine_core_mid_stream
 from tests.redis_server import RedisServer

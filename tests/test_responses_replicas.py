@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from bench.servers import wait_healthy
-from shared.store import PRODUCER_LOST_BOUND_S
+from shared.identity.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import LiveServers
 from tests.redis_server import RedisServer
 from tests.test_replicas import Replica, _start

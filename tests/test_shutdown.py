@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from shared.api import create_app
+from shared.http.api import create_app
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, free_port, long_chat
@@ -52,7 +52,7 @@ def test_streams_run_through_the_grace_then_end_with_a_shutdown_event(
             for _ in range(4):
                 next(lines)
 
-            async def signal_arrives() -> None:  # what shared.process does on SIGTERM
+            async def signal_arrives() -> None:  # what shared.http.process does on SIGTERM
                 app.state.lifecycle.begin_shutdown(app.state.service)
 
             # The clock starts before the signal: its grace timer starts inside the call, and

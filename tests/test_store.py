@@ -23,14 +23,14 @@ from shared.errors import (
     StoredError,
     StoreUnavailable,
 )
-from shared.metrics import Metrics
+from shared.identity.redis_log import RemoteSubscription, StreamWriter
+from shared.identity.replay import ReplayBuffer
+from shared.identity.replicas import Replicas
+from shared.identity.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore, replica_key
+from shared.obs.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, parse_request
-from shared.redis_log import RemoteSubscription, StreamWriter
-from shared.replay import ReplayBuffer
-from shared.replicas import Replicas
 from shared.service import Service
 from shared.settings import Settings
-from shared.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore, replica_key
 from shared.streaming import DONE_DATA
 from tests.redis_server import RedisServer
 

@@ -3,7 +3,7 @@ cancel one, through `Service.open` (the core's one door, across replicas with a 
 
 from __future__ import annotations
 
-from shared.identity import Subscription
+from shared.identity.interface import Subscription
 from shared.protocol import ChatCompletionRequest
 from shared.service import Service
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from shared.errors import BundleError, EventsGone, InvalidRequest, NotFound
-from shared.identity import Subscription
+from shared.identity.interface import Subscription
 from shared.responses.door import cancel_generation, open_generation
 from shared.responses.events import Event, ResponseFolder, base_object
 from shared.responses.request import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shared.engine.tools import ToolDelta, call_more, call_start
 from shared.errors import InvalidRequest
-from shared.tools import ToolDelta, call_more, call_start
 
 
 class VLLMToolParser:

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.engine_outputs import OutputTimings
-from shared.loop_metrics import LoopCounter, LoopHistogram
+from shared.obs.engine_outputs import OutputTimings
+from shared.obs.loop_metrics import LoopCounter, LoopHistogram
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,17 @@ class Metrics:
             "bundle_admission_seconds",
             "Request's first byte read to its generation admitted (or joined): parsing, validation "
             "and identity, plus the event loop's queue for a request whose task could not start at "
-            "once (a large or streamed body; see shared/http_limits.py).",
+            "once (a large or streamed body; see shared/http/limits.py).",
             buckets=_ADMISSION_BUCKETS,
             registry=r,
         )
         self.event_loop_lag = Histogram(
             "bundle_event_loop_lag_seconds",
-            "How much later than due the API's event loop ran a 100 ms timer (shared/loop_lag.py).",
+            "How much later than due the API's event loop ran a 100 ms timer (shared/obs/loop_lag.py).",
             buckets=_LOOP_LAG_BUCKETS,
             registry=r,
         )
-        # Written once per token per stream: the lock-free kind (shared/loop_metrics.py says why).
+        # Written once per token per stream: the lock-free kind (shared/obs/loop_metrics.py says why).
         self.inter_token_latency = LoopHistogram(
             "bundle_inter_token_latency_seconds",
             "Time between tokens of one generation.",
@@ -171,7 +171,7 @@ class Metrics:
 
     def watch_engine_outputs(self, timings: OutputTimings) -> None:
         """The engine's step outputs: how long they waited for the API process and how long it
-        took to hand them out (shared/engine_outputs.py), read at scrape time."""
+        took to hand them out (shared/obs/engine_outputs.py), read at scrape time."""
         self.registry.register(_EngineOutputsCollector(timings))
 
     def exposition(self) -> bytes:

@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from shared.engine.weights import resolve_weights
 from shared.errors import BundleError, Cancelled, EngineUnavailable, InvalidRequest
 from shared.protocol import (
     MAX_STOP_LENGTH,
@@ -42,7 +43,6 @@ from shared.protocol import (
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import Kind
-from shared.weights import resolve_weights
 
 __all__ = [  # the protocol's bounds, re-exported for cog/predict.py's Input() declarations
     "MAX_STOP_SEQUENCES",
@@ -91,7 +91,7 @@ def runner_settings(weights: str | None, base: Settings | None = None) -> Settin
     """The bundle's settings for the Cog runner; the model taken from Cog's weights if given.
 
     Cog hands `setup()` the value of `COG_WEIGHTS`: on Replicate usually the URL of a `.tar` of
-    weights, fetched and unpacked here into the settings' cache (shared/weights.py; blocking,
+    weights, fetched and unpacked here into the settings' cache (shared/engine/weights.py; blocking,
     so call it off the event loop); a local path or a Hugging Face id is served as it is.
     Without weights the model comes from BUNDLE_MODEL as everywhere else.
 
@@ -236,7 +236,7 @@ def _messages(prompt: str, system_prompt: str) -> list[dict[str, str]]:
 async def with_adapter(service: Service, body: ChatCompletionRequest, lora: str) -> ChatCompletionRequest:
     """`body` run on the LoRA adapter Cog's `lora` input names (a URL of a tar, a Hugging Face
     id, a local path, or the name of a start-time adapter), loaded into the engine the first time
-    this container sees it (shared/lora.py, `Adapters.ensure`); empty: the base model."""
+    this container sees it (shared/engine/lora.py, `Adapters.ensure`); empty: the base model."""
     if not lora.strip():
         return body
     name = await service.adapters.ensure(lora)

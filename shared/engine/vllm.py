@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.engine_outputs import time_engine_outputs
+from shared.engine.presets import apply_preset
+from shared.engine.structured import OutputConstraint
+from shared.engine.tiny_model import ensure_model
+from shared.engine.tools import ToolCallShaper
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
-from shared.presets import apply_preset
+from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Settings
-from shared.structured import OutputConstraint
-from shared.tiny_model import ensure_model
-from shared.tools import ToolCallShaper
 
 if TYPE_CHECKING:
-    from shared.lora import Adapter
+    from shared.engine.lora import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class SamplingRequest:
     # Tokens per output after the first (the first and the last come at once); None: the
     # engine's own interval. Only an engine with `paces_each_request` honours it.
     stream_interval: int | None = None
-    adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (shared/lora.py); None: the base
+    adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (lora.py); None: the base
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ class VLLMEngine:
         exactly zero, and no row has index -1. The GPU kernels skip index -1, so GPUs never do this."""
         from vllm.lora.request import LoRARequest
 
-        from shared.random_adapter import write_adapter
+        from shared.engine.random_adapter import write_adapter
 
         config = self._llm.model_config.hf_config.to_dict()
         path = write_adapter(directory, config, rank=1, scale=0.0, base=None)
@@ -337,7 +337,7 @@ class VLLMEngine:
         return str(self._tokenizer.decode([token_id]))
 
     def tool_parser(self, tools: Sequence[dict[str, Any]]) -> ToolCallShaper:
-        from shared.vllm_tools import VLLMToolParser
+        from shared.engine.vllm_tools import VLLMToolParser
 
         return VLLMToolParser(self.tool_call_parser, self._tokenizer, tools, self.info.model_name)
 
@@ -783,7 +783,7 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
 async def _start_lora(settings: Settings, engine: VLLMEngine, stack: contextlib.ExitStack) -> None:
     from vllm.platforms import current_platform
 
-    from shared.lora import load_static
+    from shared.engine.lora import load_static
 
     if current_platform.is_cpu():
         settings.lora_dir.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,11 @@ What is bounded where:
   error JSON, connection closed. uvicorn has neither for httptools (its default parser), which
   buffers a header of any size (64 MiB took 6 s to parse before the auth middleware could answer
   401) and waits forever for a head that trickles in, or for a declared body that never comes.
-- header count and total parsed size, and the identity headers' syntax: `shared.headers.HeaderGuard`
+- header count and total parsed size, and the identity headers' syntax: `shared.http.headers.HeaderGuard`
   (ASGI, so it also holds where another server runs the app, such as Modal's).
 - idle keep-alive connections: uvicorn's `timeout_keep_alive`.
 - the body: a declared `Content-Length` over `max_body_bytes` is refused here at its head (413,
-  httptools); `shared.api` also reads every body with that cap (413: chunked bodies, h11, Modal).
+  httptools); `shared.http.api` also reads every body with that cap (413: chunked bodies, h11, Modal).
   Either way the connection is then closed without reading the rest (`LingeringClose`).
 - the drain after SIGTERM: `shared.server_state` (grace) and uvicorn's `timeout_graceful_shutdown`.
 
@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from shared.errors import BundleError, HeadersTooLarge, RequestTimeout, RequestTooLarge
-from shared.headers import stamp_arrival
+from shared.http.headers import stamp_arrival
 from shared.settings import Settings
 from shared.streaming import error_data
 

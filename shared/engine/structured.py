@@ -2,7 +2,7 @@
 
 The constraint is applied by vLLM's structured-output backend (a grammar masks every token that
 would break the JSON), so the output is valid even from a model that knows nothing of JSON
-(the random-weight tiny model included). `shared.engine._structured_outputs` turns it into vLLM's
+(the random-weight tiny model included). `shared.engine.vllm._structured_outputs` turns it into vLLM's
 parameters; everything here is vLLM-free.
 """
 

@@ -27,7 +27,7 @@ LAST_EVENT_ID_MAX_DIGITS = 18
 # the layer asked (a proxy may pick the last, Starlette picks the first).
 SINGLE_HEADERS = (b"x-request-id", b"last-event-id", b"authorization", b"content-type")
 # When this server first saw the request (time.perf_counter), in its ASGI scope: stamped by the
-# bounded HTTP protocol as the request's first byte is parsed (shared/http_limits.py), else by
+# bounded HTTP protocol as the request's first byte is parsed (shared/http/limits.py), else by
 # HeaderGuard when the request's task first runs. What happens between that and the engine
 # having the request (the event loop's queue, parsing, validation) is the server's admission time.
 ARRIVED_KEY = "bundle.arrived_s"

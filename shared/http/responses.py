@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from shared.api import SSE_HEADERS, EventStreamResponse, _check_admission, _read_json, _service
 from shared.errors import EngineUnavailable, InvalidRequest
-from shared.headers import parse_request_id
+from shared.http.headers import parse_request_id
+from shared.http.requests import SSE_HEADERS, EventStreamResponse, check_admission, read_json, service_of
 from shared.responses.events import Event, ResponseFolder
 from shared.responses.manager import Created, Responses, sse_frame, translate
 from shared.responses.request import parse_responses_request
@@ -22,8 +22,8 @@ MAX_STARTING_AFTER_DIGITS = 18
 def add_routes(app: FastAPI, settings: Settings) -> None:
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
-        _check_admission(request)
-        body = parse_responses_request(await _read_json(request, settings))
+        check_admission(request)
+        body = parse_responses_request(await read_json(request, settings))
         key = _client_key(request)
         responses = _responses(request)
         created = await responses.create(body, key)
@@ -59,7 +59,7 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
 
 
 def _responses(request: Request) -> Responses:
-    _service(request)  # 503 while the engine starts
+    service_of(request)  # 503 while the engine starts
     responses: Responses | None = getattr(request.app.state, "responses", None)
     if responses is None:
         raise EngineUnavailable("the engine is starting")

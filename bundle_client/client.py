@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from shared.sse import ServerSentEvent, parse_events
+from bundle_client.sse import ServerSentEvent, parse_events
 
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from shared.engine.lora_sources import CONFIG_NAME, fetch_adapter
 from shared.errors import InvalidRequest, ModelNotFound, NotFound
-from shared.lora_sources import CONFIG_NAME, fetch_adapter
 from shared.settings import Settings
 
 if TYPE_CHECKING:
-    from shared.metrics import Metrics
+    from shared.obs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Adapter:
 
 
 class AdapterEngine(Protocol):
-    """What the catalogue needs from the engine (shared/engine.py's VLLMEngine has it)."""
+    """What the catalogue needs from the engine (shared/engine/vllm.py's VLLMEngine has it)."""
 
     async def add_adapter(self, adapter: Adapter) -> None: ...
 
@@ -204,7 +204,7 @@ class Adapters:
 
     async def unload(self, name: str) -> Adapter:
         """Forget `name` at once (new requests naming it get 404); the engine drops it when its
-        running requests have ended (shared/engine.py)."""
+        running requests have ended (shared/engine/vllm.py)."""
         self._check_runtime()
         adapter = self._by_name.pop(name, None)
         if adapter is None:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded, abort_error
-from shared.generation import GenerationOutput
-from shared.metrics import Metrics
-from shared.replay import EventsPerWrite
+from shared.identity.generation import GenerationOutput
+from shared.identity.replay import EventsPerWrite
+from shared.obs.metrics import Metrics
 from shared.settings import Settings
 from shared.streaming import Usage
 
@@ -54,7 +54,7 @@ class CancelOutcome:
 
 
 class LocalSubscription:
-    """One reader of a generation this replica runs (or ran): `shared.identity.Subscription`."""
+    """One reader of a generation this replica runs (or ran): `shared.identity.interface.Subscription`."""
 
     def __init__(self, registry: Registry, entry: Entry, after: int, metrics: Metrics) -> None:
         self._registry = registry
@@ -124,7 +124,7 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
-        # With a shared store (shared/replicas.py): seconds that readers on other replicas still
+        # With a shared store (shared/identity/replicas.py): seconds that readers on other replicas still
         # hold a generation whose grace window ran out here; 0 means none, abort.
         self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
         self._rechecks: set[asyncio.Task[None]] = set()

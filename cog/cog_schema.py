@@ -7,7 +7,7 @@ local server (`python -m cog.server.http`) needs it too: without it coglet 0.23.
 into a JSON-schema validator (out-of-range input -> 422 before the runner is called).
 
 Usage (from the repository root, as `make cog-schema` does):
-    python -m shared.cog_schema cog/predict.py:Runner > .cog/openapi_schema.json
+    python cog/cog_schema.py cog/predict.py:Runner > .cog/openapi_schema.json
 
 The document is derived from the runner's `run()` signature alone (types, `Input(...)` bounds,
 defaults), so tests/test_cog.py can regenerate it and fail when the checked-in file drifts.
@@ -197,7 +197,7 @@ def render(ref: str) -> str:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or ":" not in argv[0]:
-        raise SystemExit("usage: python -m shared.cog_schema cog/predict.py:Runner")
+        raise SystemExit("usage: python cog/cog_schema.py cog/predict.py:Runner")
     sys.stdout.write(render(argv[0]))
 
 

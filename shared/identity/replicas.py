@@ -2,7 +2,7 @@
 replica claims it first, followed from any other, cancelled from any.
 
 `Service.open` calls `open` here for requests that carry an id (this is the shared-store
-`shared.identity.Identity`). The order of questions:
+`shared.identity.interface.Identity`). The order of questions:
 1. Does this replica hold the id (it owns the generation)? Its readers stay on the in-memory path.
 2. Otherwise claim the id in the store (SET NX). Won: start the generation here, as `Service.open`
    always did, and mirror its events into the store (`own`). Lost: follow the owner's stream.
@@ -26,13 +26,13 @@ from urllib.parse import urlsplit
 import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
-from shared.identity import OpenHere, Subscription
-from shared.metrics import Metrics
-from shared.redis_log import RemoteSubscription, SharedLog, StreamWriter
-from shared.registry import CancelOutcome, Entry, Registry, final_status
-from shared.replay import ReplayBuffer
+from shared.identity.interface import OpenHere, Subscription
+from shared.identity.redis_log import RemoteSubscription, SharedLog, StreamWriter
+from shared.identity.registry import CancelOutcome, Entry, Registry, final_status
+from shared.identity.replay import ReplayBuffer
+from shared.identity.store import Claim, IdentityStore, StreamView
+from shared.obs.metrics import Metrics
 from shared.settings import Settings
-from shared.store import Claim, IdentityStore, StreamView
 
 log = logging.getLogger(__name__)
 

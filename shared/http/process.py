@@ -18,7 +18,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from shared.http_limits import uvicorn_options
+from shared.http.limits import uvicorn_options
 from shared.server_state import ExitRequest
 from shared.settings import Settings
 
@@ -26,7 +26,7 @@ from shared.settings import Settings
 def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | None = None) -> int:
     """Serve the API until a signal or engine death; return the exit code the process should use.
     `make_app(request_exit)` builds the app (default: `create_app(settings, request_exit=...)`)."""
-    from shared.api import create_app
+    from shared.http.api import create_app
 
     exit_code = 0
 

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.assembly import EngineFactory, start_service
-from shared.engine import Engine, open_engine
+from shared.engine.vllm import Engine, open_engine
 from shared.errors import (
     BundleError,
     Cancelled,
@@ -26,9 +24,8 @@ from shared.errors import (
     Overloaded,
     RequestTooLarge,
     Unauthorized,
-    UnsupportedMediaType,
 )
-from shared.headers import (
+from shared.http.headers import (
     HeaderGuard,
     accepts_event_stream,
     admission_seconds,
@@ -36,7 +33,16 @@ from shared.headers import (
     parse_last_event_id,
     parse_request_id,
 )
-from shared.identity import Subscription
+from shared.http.requests import (
+    SERVER_SEND_KEY,
+    SSE_HEADERS,
+    EventStreamResponse,
+    check_admission,
+    read_json,
+    service_of,
+)
+from shared.http.responses import add_routes as add_responses_routes
+from shared.identity.interface import Subscription
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,13 +52,10 @@ from shared.protocol import (
 )
 from shared.responses.manager import Responses
 from shared.server_state import ExitRequest, Lifecycle
-from shared.service import Service
 from shared.settings import Settings
 from shared.streaming import Kind
 
 PUBLIC_PATHS = frozenset({"/health"})
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-SERVER_SEND_KEY = "bundle.server_send"  # the server's own ASGI send, in the scope (BundleApp)
 
 
 def create_app(
@@ -98,7 +101,7 @@ def create_app(
 def _add_routes(app: FastAPI, settings: Settings) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        service = _service(request)
+        service = service_of(request)
         if not service.ready():
             asleep = service.healthy()  # alive but not ready: asleep (a snapshot being restored)
             raise EngineUnavailable("the engine is asleep" if asleep else "the engine is not running")
@@ -106,49 +109,47 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        body = _service(request).metrics_text()
+        body = service_of(request).metrics_text()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": _service(request).model_cards()})
+        return JSONResponse({"object": "list", "data": service_of(request).model_cards()})
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         _check_adapter_routes_guarded(settings)
-        body = parse_request(LoadAdapterRequest, await _read_json(request, settings))
-        adapter = await _service(request).adapters.load(body.lora_name, body.lora_path)
+        body = parse_request(LoadAdapterRequest, await read_json(request, settings))
+        adapter = await service_of(request).adapters.load(body.lora_name, body.lora_path)
         # vLLM's own answer, word for word: its clients read the status, some the text.
         return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
         _check_adapter_routes_guarded(settings)
-        body = parse_request(UnloadAdapterRequest, await _read_json(request, settings))
-        adapter = await _service(request).adapters.unload(body.lora_name)
+        body = parse_request(UnloadAdapterRequest, await read_json(request, settings))
+        adapter = await service_of(request).adapters.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' removed successfully.")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        _check_admission(request)
-        body = parse_request(ChatCompletionRequest, await _read_json(request, settings))
+        check_admission(request)
+        body = parse_request(ChatCompletionRequest, await read_json(request, settings))
         return await _respond(request, "chat", body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        _check_admission(request)
-        body = parse_request(CompletionRequest, await _read_json(request, settings))
+        check_admission(request)
+        body = parse_request(CompletionRequest, await read_json(request, settings))
         return await _respond(request, "completion", body)
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel(request: Request, request_id: str) -> Response:
         request_id = parse_request_id(request_id, param="request_id") or ""
-        outcome = await _service(request).cancel(request_id)
+        outcome = await service_of(request).cancel(request_id)
         return JSONResponse({"id": outcome.request_id, "object": "request.cancel", "status": outcome.status})
 
-    from shared.responses.routes import add_routes  # it imports this module's helpers
-
-    add_routes(app, settings)
+    add_responses_routes(app, settings)
 
 
 def _check_adapter_routes_guarded(settings: Settings) -> None:
@@ -164,53 +165,10 @@ def _check_adapter_routes_guarded(settings: Settings) -> None:
         )
 
 
-def _service(request: Request) -> Service:
-    service: Service | None = getattr(request.app.state, "service", None)
-    if service is None:
-        raise EngineUnavailable("the engine is starting")
-    return service
-
-
-def _check_admission(request: Request) -> None:
-    """New generations only while serving with a live engine: 503 before any 200 is sent."""
-    service = _service(request)
-    request.app.state.lifecycle.check_admission()
-    if not service.healthy():
-        raise EngineUnavailable("the engine is not running")
-
-
-def _check_json_content_type(request: Request) -> None:
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise UnsupportedMediaType(
-            "send the request body as JSON with 'Content-Type: application/json'", param="Content-Type"
-        )
-
-
-async def _read_json(request: Request, settings: Settings) -> Any:
-    """Read the body with a hard cap (413) and decode it (400), before any other work."""
-    _check_json_content_type(request)
-    limit = settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"request body exceeds {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    try:
-        return orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-
-
 async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | CompletionRequest) -> Response:
-    service = _service(request)
+    service = service_of(request)
     request_id = parse_request_id(request.headers.get("x-request-id"))
-    # SSE `id:` lines only for a client that asked for SSE proper (shared/headers.py says why).
+    # SSE `id:` lines only for a client that asked for SSE proper (shared/http/headers.py says why).
     event_ids = accepts_event_stream(request.headers.get("accept"))
     last_event_id = _last_event_id(request)
     subscription = await service.open(kind, body, request_id, last_event_id, event_ids=event_ids)
@@ -233,9 +191,7 @@ def _last_event_id(request: Request) -> int | None:
     return parse_last_event_id(request.headers.get("last-event-id"))
 
 
-async def _whole_response(
-    request: Request, subscription: Subscription, headers: dict[str, str]
-) -> Response:
+async def _whole_response(request: Request, subscription: Subscription, headers: dict[str, str]) -> Response:
     """Wait for the whole body, or for the client to leave: then close at once, so an anonymous
     generation is aborted now (one with an id gets the grace window, as streams do)."""
     waiting = asyncio.create_task(subscription.response())
@@ -259,49 +215,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-class EventStreamResponse(StreamingResponse):
-    """SSE response that notices a client leaving even while no token is being written.
-
-    Starlette only finds out about a disconnect on its next write under ASGI 2.4; a generation
-    still queued or in a long prefill writes nothing, so we also listen for `http.disconnect`.
-
-    Its body chunks (one per token and stream, the hottest path of the server) go to the
-    server's own `send` (`BundleApp` keeps it in the scope), past the send wrappers of
-    Starlette's and FastAPI's error handling: those only watch for `http.response.start`, which
-    still goes through them, and pass every body message on unchanged.
-    """
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body_send: Send = scope.get(SERVER_SEND_KEY, send)
-        streamer = asyncio.create_task(self._stream_quietly(send, body_send))
-        listener = asyncio.create_task(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Also when this task is cancelled (a host cancelling the request mid-write): the
-            # streamer's own clean-up closes the subscription, so nothing is left running.
-            for task in (streamer, listener):
-                task.cancel()
-            await asyncio.gather(streamer, listener, return_exceptions=True)
-
-    async def _stream_quietly(self, send: Send, body_send: Send) -> None:
-        try:
-            await self._stream(send, body_send)
-        except OSError:
-            pass  # the client went away mid-write; the generator's finally has cleaned up
-        finally:
-            await _close(self.body_iterator)
-
-    async def _stream(self, send: Send, body_send: Send) -> None:
-        """Starlette's `stream_response` (our chunks are bytes already), body to `body_send`."""
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for chunk in self.body_iterator:
-            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
 class BundleApp(FastAPI):
     """The FastAPI app, keeping the server's own `send` in each request's scope for
     `EventStreamResponse` (nothing else in the app needs or touches it)."""
@@ -309,12 +222,6 @@ class BundleApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND_KEY] = send
         await super().__call__(scope, receive, send)
-
-
-async def _close(iterator: Any) -> None:
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 # --- auth ---------------------------------------------------------------------------------------
@@ -349,7 +256,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             headers["Retry-After"] = str(exc.retry_after_s)
         if isinstance(exc, RequestTooLarge):
             # The rest of the body is not wanted: uvicorn closes after the answer instead of
-            # reading it to reach the next request (shared/http_limits.py, LingeringClose).
+            # reading it to reach the next request (shared/http/limits.py, LingeringClose).
             headers["Connection"] = "close"
         # 429s are counted where they are raised; a cancelled generation (499) had reached the
         # engine and is counted as aborted, not as refused.

@@ -21,9 +21,8 @@ from typing import Any
 import orjson
 
 from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, StoreUnavailable
-from shared.metrics import Metrics
-from shared.replay import EventsPerWrite, ReplayBuffer
-from shared.store import (
+from shared.identity.replay import EventsPerWrite, ReplayBuffer
+from shared.identity.store import (
     BODY,
     CHECK_EVERY_S,
     DATA,
@@ -36,6 +35,7 @@ from shared.store import (
     claim_key,
     events_key,
 )
+from shared.obs.metrics import Metrics
 from shared.streaming import DONE_DATA, Usage, error_frames, sse_data, sse_event
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class StreamWriter:
                 self._failing = False
 
     def _batch(self, events: Events, finals: Finals) -> AppendBatch:
-        """The flush as APPEND_SCRIPT's keys and arguments (see shared/store.py)."""
+        """The flush as APPEND_SCRIPT's keys and arguments (see shared/identity/store.py)."""
         batch = AppendBatch(args=[self._max_events, self._running_ttl_ms, self._retention_ms, len(events)])
         for request_id, sequence, data in events:
             new = request_id not in self._new_streams
@@ -177,7 +177,7 @@ class SharedLog:
 
 
 class RemoteSubscription:
-    """A reader of a generation owned elsewhere: a `shared.identity.Subscription`, as this
+    """A reader of a generation owned elsewhere: a `shared.identity.interface.Subscription`, as this
     replica's own readers are."""
 
     def __init__(

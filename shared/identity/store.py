@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import StoreUnavailable
-from shared.metrics import Metrics
+from shared.obs.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

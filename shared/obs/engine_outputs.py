@@ -27,7 +27,7 @@ from typing import Any
 @dataclass
 class Tally:
     """A running sum and count (seconds), read as a Prometheus summary; `observe` as a
-    histogram's, so that `shared.loop_lag` can feed one too (the benchmark's client lag)."""
+    histogram's, so that `shared.obs.loop_lag` can feed one too (the benchmark's client lag)."""
 
     seconds: float = 0.0
     count: int = 0

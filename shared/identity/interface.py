@@ -1,8 +1,8 @@
 """Request identity as `Service` sees it: one interface, two implementations chosen by settings.
 
 - `LocalIdentity` (no BUNDLE_REDIS_URL): an id is matched within this process only; the registry
-  (shared/registry.py) holds everything.
-- `Replicas` (shared/replicas.py, BUNDLE_REDIS_URL set): an id is claimed in the shared store,
+  (shared/identity/registry.py) holds everything.
+- `Replicas` (shared/identity/replicas.py, BUNDLE_REDIS_URL set): an id is claimed in the shared store,
   and a request whose id another replica claimed follows that replica's generation.
 
 Whatever the door (HTTP, a Cog prediction), `Service.open` goes through the one chosen here, so a
@@ -19,13 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.errors import NotFound
-from shared.replay import EventsPerWrite
-from shared.settings import Settings
+from shared.identity.replay import EventsPerWrite
 from shared.streaming import Usage
 
 if TYPE_CHECKING:
-    from shared.metrics import Metrics
-    from shared.registry import CancelOutcome, Entry, Registry
+    from shared.identity.registry import CancelOutcome, Entry
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +128,3 @@ class LocalIdentity:
 
     async def aclose(self) -> None:
         pass
-
-
-def identity_for(settings: Settings, registry: Registry, metrics: Metrics) -> Identity:
-    """The shared store when BUNDLE_REDIS_URL is set, else this process alone (logged, since a
-    retry that reaches another replica is then not matched)."""
-    if settings.redis_url is None:
-        log.info(
-            "request identity: this process only (BUNDLE_REDIS_URL is not set); a retry or resume "
-            "that reaches another replica is not matched"
-        )
-        return LocalIdentity()
-    from shared.replicas import Replicas  # redis is imported only when a store is configured
-
-    return Replicas(settings, registry, metrics)

@@ -7,7 +7,7 @@ OpenAI `tool_calls` deltas.
 - "required": the output is constrained to a JSON array of {"name", "parameters"} (the shape
   vLLM's own server uses), parsed when the choice ends;
 - "auto": the output runs free and the model's own format is parsed by vLLM's tool parser
-  (`shared.vllm_tools`, chosen by BUNDLE_TOOL_CALL_PARSER).
+  (`shared.engine.vllm_tools`, chosen by BUNDLE_TOOL_CALL_PARSER).
 A shaper lives in the generation's producer, so what it emits is stored once in the replay
 buffer: attach, replay and resume get the same ids and the same bytes.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.structured import OutputConstraint, check_json_schema
+from shared.engine.structured import OutputConstraint, check_json_schema
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -1,0 +1,2 @@
+"""The engine: the vLLM implementation (`shared.engine.vllm`) and what it needs: presets,
+tool calls and structured output, choices, LoRA adapters, weights, the tiny test model."""

@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, event-loop lag, the engine's output timings."""
