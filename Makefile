@@ -62,23 +62,23 @@ $(STAMP312): pyproject.toml Makefile
 
 # About 5 minutes of churn against a real server (loopback), then a leak and memory check.
 soak: $(STAMP)
-	$(PY) -m bench.soak --seconds 300 --out bench/results/soak.json
+	$(PY) -m bench.soak --seconds 300 --out results/cpu/soak.json
 
 bench: $(STAMP)
-	$(PY) -m bench suite --out bench/results
+	$(PY) -m bench suite --out results/cpu
 	# Start-up per path (empty/warm compile cache, eager; sleep/wake is CUDA only): two starts each.
-	$(PY) -m bench startup --runs 2 --out bench/results
+	$(PY) -m bench startup --runs 2 --out results/cpu
 
 # The shared-prefix workload (a 512-token common prefix, 32 unique tokens), prefix caching on, then off.
 bench-prefix: $(STAMP)
-	$(PY) -m bench suite --out bench/results/prefix --targets bundle --prefix-caching on,off \
+	$(PY) -m bench suite --out results/cpu/prefix --targets bundle --prefix-caching on,off \
 	  --shared-prefix-tokens 512 --prompt-tokens 32 --levels 1,8,32 --capacity 0
 
 # vLLM's own client (`vllm bench serve`, through bench/vllm_client.py) against a running
 # `make serve`, both OpenAI backends; fails when any request failed. Results (JSON) go to
 # VLLM_BENCH_OUT.
 VLLM_BENCH_PROMPTS ?= 200
-VLLM_BENCH_OUT ?= bench/results/vllm-bench-serve
+VLLM_BENCH_OUT ?= results/cpu/vllm-bench-serve
 vllm-bench: $(STAMP)
 	tokenizer=$$($(PY) -c "from shared.engine.vllm import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
 	for pair in openai-chat:/v1/chat/completions openai:/v1/completions; do \

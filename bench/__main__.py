@@ -1,6 +1,6 @@
 """`python -m bench`: run the benchmark.
 
-    python -m bench suite --out bench/results     # what `make bench` runs
+    python -m bench suite --out results/cpu     # what `make bench` runs
     python -m bench http --url http://127.0.0.1:8000
     python -m bench startup ...                   # start-up benchmark (bench/startup.py)
     python -m bench redis --levels 1,8,32,128     # cost of BUNDLE_REDIS_URL (bench/redis_overhead.py)
@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
         _load_arguments(sub.add_parser(name))
     sub.add_parser("startup", help="start-up benchmark; its arguments: python -m bench startup --help")
     suite = sub.choices["suite"]
-    suite.add_argument("--out", default="bench/results")
+    suite.add_argument("--out", default="results/cpu")
     suite.add_argument(
         "--targets", default=",".join(KINDS), help="raw, bundle, vllm_server; KIND:PRESET; vllm_server:defaults"
     )

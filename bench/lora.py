@@ -7,7 +7,7 @@ requests naming the adapters in turn, alternating base / adapters `--repeat` tim
 run of each is kept, every run is in the JSON). Prompts differ from run to run (bench/workload.py),
 and the same run number gets the same prompts for both, so the prefix cache favours neither.
 
-    python -m bench lora --adapters 4 --level 64 --out bench/results/lora
+    python -m bench lora --adapters 4 --level 64 --out results/cpu/lora
 """
 
 from __future__ import annotations
@@ -216,5 +216,5 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, default=1, help="client processes")
     parser.add_argument("--machine", default="", help="how to name the machine in the report")
-    parser.add_argument("--out", default="bench/results/lora")
+    parser.add_argument("--out", default="results/cpu/lora")
     return parser

@@ -8,7 +8,7 @@ TTFT, their ratio and difference, and Redis round trips and commands per generat
 server's own counters, bundle_store_round_trips_total and bundle_store_commands_total, over the
 output tokens the clients counted).
 
-    python -m bench redis --levels 1,8,32,128 --out bench/results/redis
+    python -m bench redis --levels 1,8,32,128 --out results/cpu/redis
 """
 
 from __future__ import annotations
@@ -202,5 +202,5 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--redis-url", help="use this server instead of starting a valkey-server")
     parser.add_argument("--machine", default="", help="how to name the machine in the report")
-    parser.add_argument("--out", default="bench/results/redis")
+    parser.add_argument("--out", default="results/cpu/redis")
     return parser

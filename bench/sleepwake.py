@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="throughput waves on each side (median)")
     parser.add_argument("--fixed-prompts", type=int, default=16, help="temperature-0 prompts compared")
     parser.add_argument("--fixed-tokens", type=int, default=32, help="tokens generated per fixed prompt")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="writes sleepwake.json")
+    parser.add_argument("--out", type=Path, default=Path("results/cpu"), help="writes sleepwake.json")
     args = parser.parse_args(argv)
     if min(args.streams, args.prompt_tokens, args.output_tokens, args.rounds, args.fixed_prompts) < 1:
         parser.error("counts must be at least 1")

@@ -259,8 +259,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8, help="concurrent clients (default 8)")
     p.add_argument("--max-operations", type=int, default=100_000, help="stop after this many")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results/soak.json", help="where the JSON summary goes")
-    p.add_argument("--log", default="bench/results/soak-server.log", help="the server's log")
+    p.add_argument("--out", default="results/cpu/soak.json", help="where the JSON summary goes")
+    p.add_argument("--log", default="results/cpu/soak-server.log", help="the server's log")
     return p
 
 

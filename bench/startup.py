@@ -15,7 +15,7 @@ lines, matched loosely because their wording moves between releases. A phase who
 appears is left out of that run, never guessed; a phase's seconds run from the previous phase
 that did appear.
 
-    python -m bench.startup --runs 3 --out bench/results
+    python -m bench.startup --runs 3 --out results/cpu
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {','.join(PATHS)}")
     parser.add_argument("--runs", type=int, default=3, help="starts (or sleep/wake cycles) per path")
     parser.add_argument(
-        "--out", type=Path, default=Path("bench/results"), help="writes startup.json and startup.md"
+        "--out", type=Path, default=Path("results/cpu"), help="writes startup.json and startup.md"
     )
     parser.add_argument("--work", type=Path, help="caches and server logs (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")

@@ -1,6 +1,6 @@
 """The serving layer's own CPU per token, without vLLM.
 
-    python -m bench stepped --env BUNDLE_STREAM_BATCH_AT=64 --runs 3 --out bench/results/stepped
+    python -m bench stepped --env BUNDLE_STREAM_BATCH_AT=64 --runs 3 --out results/cpu/stepped
 
 serves the bundle's app over `SteppedEngine` and loads it with the benchmark's HTTP client: every
 `--step-ms` each running generation gets one token, as vLLM's engine steps hand them out, and a
@@ -184,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=20.0, help="time between engine steps")
     p.add_argument("--runs", type=int, default=3, help="runs of each, alternating")
     p.add_argument("--clients", type=int, default=2, help="client processes")
-    p.add_argument("--out", default="bench/results/stepped")
+    p.add_argument("--out", default="results/cpu/stepped")
     return p
 
 

@@ -92,7 +92,7 @@ def _service_args(p: argparse.ArgumentParser) -> None:
         "start-up (never silently 0)",
         "Start-up seconds come from --cold-start, else --startup FILE, else the benchmark JSON's "
         "cold_start_s, else a stated default (38 s: the bundle's warm-compile-cache H200 start). "
-        "FILE is the start-up benchmark's JSON (schema bundle-startup/1, e.g. bench/results-h200/startup.json "
+        "FILE is the start-up benchmark's JSON (schema bundle-startup/1, e.g. results/h200/startup.json "
         "from `python -m bench startup`): its paths.<name>.first_token_s.median is used.",
     )
     s.add_argument("--cold-start", type=number("cold-start"), help="seconds from cold container to first token")

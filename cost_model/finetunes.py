@@ -21,7 +21,7 @@ from cost_model.service import ServiceProfile
 from cost_model.workload import Workload
 
 # Extra time per token with adapters when the user gives none: measured on the H200
-# (`bash bench/gpu.sh lora`, bench/results-h200/lora/lora.json: 64 streams over 4 rank-16
+# (`bash bench/gpu.sh lora`, results/h200/lora/lora.json: 64 streams over 4 rank-16
 # adapters on q/k/v/o gave 4,790 tok/s against 6,486 on the base, medians of 3 runs, so each
 # token takes 1.35x as long). It varies with rank, adapter count and batch mix: measure yours and
 # pass it with --lora-overhead. tests/test_cost_model_finetunes.py recomputes it from the JSON.

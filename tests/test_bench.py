@@ -403,7 +403,7 @@ def test_merge_puts_two_gpus_runs_in_one_table(tmp_path: Path) -> None:
     workloads cannot share a table (exit 2, one line)."""
     import orjson
 
-    whole = orjson.loads((Path(__file__).parent.parent / "bench/results-h200/bench.json").read_bytes())
+    whole = orjson.loads((Path(__file__).parent.parent / "results/h200/bench.json").read_bytes())
     parts = []
     for index, name in enumerate(["raw", "vllm_server"]):
         part = {

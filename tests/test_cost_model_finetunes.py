@@ -109,6 +109,6 @@ def test_the_default_lora_overhead_is_the_h200_measurement() -> None:
 
     from cost_model.finetunes import DEFAULT_LORA_OVERHEAD
 
-    targets = json.loads(Path("bench/results-h200/lora/lora.json").read_text())["targets"]
+    targets = json.loads(Path("results/h200/lora/lora.json").read_text())["targets"]
     base, lora = (median(targets[name]["runs_output_tokens_per_s"]) for name in ("base", "lora"))
     assert round(base / lora - 1, 2) == DEFAULT_LORA_OVERHEAD

@@ -5,7 +5,7 @@ A preset fills only the engine fields the user did NOT set (`Settings.model_fiel
 Unset: no preset, vLLM's and the bundle's own defaults.
 
 The figures behind each choice are H200 measurements (Llama-3-8B shape, dummy weights, vLLM
-0.26.0; bench/results-h200/ and the README's tables): the issue-16 runs that prompted them, and
+0.26.0; results/h200/ and the README's tables): the issue-16 runs that prompted them, and
 `bash bench/gpu.sh presets`, which compares each preset with `vllm serve` defaults.
 """
 
@@ -24,7 +24,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # - max_num_batched_tokens 8192, the serving default on an H100/H200, set explicitly: 16,384
     #   (tried first) prefilled a wave of new requests in half the steps, but each such step
     #   stalled every running stream longer: inter-token p99 at 256 streams 233 ms against
-    #   `vllm serve`'s 195 (2026-11-30, bench/results-h200/presets/ of that date, in git history).
+    #   `vllm serve`'s 195 (2026-11-30, results/h200/presets/ of that date, in git history).
     # - max_num_seqs stays 256: the KV cache of an 8B model at 768 tokens per stream holds far
     #   more, but Modal's per-container concurrency is derived from it (modal_app/settings.py).
     # - kv cache dtype stays auto: an FP8 KV cache without calibrated scales changes outputs.

@@ -645,7 +645,7 @@ def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | No
     count tokens, and vLLM also replays them (piecewise) for steps that mix a prefill into the
     decodes. On the H200 (open loop, 30 requests/s, at most 256 in flight) raw and the bundle
     with the cap at 256 took 14-22 ms per output token, vLLM's server and the bundle with
-    vLLM's widths 12-15, and capture took ~5 s either way (bench/results-h200/runs/5 to 7,
+    vLLM's widths 12-15, and capture took ~5 s either way (results/h200/runs/5 to 7,
     README). Speculative decoding needs its own widths, so vLLM keeps sizing those.
     """
     if eager or settings.speculative_config is not None or settings.cuda_graph_max_batch is None:

@@ -240,7 +240,7 @@ class IdentityStore:
 
         One XADD per event in a pipeline costs the API process ~23-28 us of CPU per event at 256
         streams (redis-py builds and parses each command in Python), the script ~7 us
-        (`python -m bench.store_writes`, bench/results/store-writes.txt); at 256 streams an
+        (`python -m bench.store_writes`, results/cpu/store-writes.txt); at 256 streams an
         event carries one token."""
         async with self._trip("write", batch.commands):
             try:
