@@ -362,3 +362,19 @@ def test_the_web_app_is_built_before_the_snapshot(monkeypatch: pytest.MonkeyPatc
     off = load_modal_app(monkeypatch, BUNDLE_MODAL_SNAPSHOT="false", BUNDLE_MODEL="tiny")
     plain = off.Server._get_user_cls()()
     assert plain.web_app is None and plain.web() is not plain.web()
+
+
+def test_the_modal_app_serves_the_responses_api(served: LocalServer) -> None:
+    """Issue 30: the Modal class's app is the same app, so /v1/responses works through it."""
+    client = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=API_KEY, max_retries=0)
+    created = client.responses.create(
+        model="tiny", input="Say something.", max_output_tokens=12, temperature=0, background=True
+    )
+    assert created.status in {"queued", "in_progress"}
+    deadline = time.monotonic() + 120
+    while (current := client.responses.retrieve(created.id)).status in {"queued", "in_progress"}:
+        assert time.monotonic() < deadline, "the background response did not end"
+        time.sleep(0.2)
+    assert current.status in {"completed", "incomplete"}  # the tiny model rarely stops on its own
+    assert current.usage is not None and current.usage.output_tokens == 12
+    assert current.output_text
