@@ -453,18 +453,27 @@ def stream_text(
     raised when the generation ends because of a cancel (the runner passes Cog's). `record`
     (the prediction's metric recorder) gets the token counts once the text ends, however it ends.
     """
+    # The wait in flight, cancelled by the signal: a reader that does not own the generation
+    # (another prediction's, or another replica's) is only closed by `abandon`, so without this
+    # its slot thread would wait for the generation's next piece, or its end.
+    waiting: list[concurrent.futures.Future[str]] = []
     if signal is not None:
-        signal.add(lambda: loop.call_soon_threadsafe(subscription.abandon))
+        signal.add(lambda: _stop_reading(loop, subscription, waiting))
     pieces = subscription.text()
     complete = False
     try:
         while True:
+            if signal is not None and signal.fired:
+                raise cancelled()
+            waiting[:] = [_plain_submit(_next(pieces), loop)]
+            if signal is not None and signal.fired:  # fired before the wait was listed
+                waiting[0].cancel()
             try:
-                piece = _plain_submit(_next(pieces), loop).result()
+                piece = waiting[0].result()
             except StopAsyncIteration:
                 complete = True
                 return
-            except Cancelled as exc:
+            except (Cancelled, concurrent.futures.CancelledError) as exc:
                 raise cancelled() from exc
             yield piece
     finally:
@@ -472,6 +481,16 @@ def stream_text(
         _plain_submit(_close(pieces), loop)  # fire and forget: nothing waits on it
         if record is not None:
             record_token_counts(subscription, record)
+
+
+def _stop_reading(
+    loop: asyncio.AbstractEventLoop, subscription: Subscription, waiting: list[concurrent.futures.Future[str]]
+) -> None:
+    """The cancel signal (coglet's thread): leave the generation (aborted if this was its last
+    reader here) and end the wait for its next piece now."""
+    loop.call_soon_threadsafe(subscription.abandon)
+    for future in list(waiting):
+        future.cancel()
 
 
 def token_counts(subscription: Subscription) -> dict[str, int]:

@@ -12,6 +12,7 @@ prediction is admitted. A one-token "probe" prediction therefore tells us what t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -674,6 +675,49 @@ def _is_engine_core(pid: int, group: int) -> bool:
 
 
 @pytest.mark.timeout(20)
+class FollowerCancelled(Exception):
+    """What the test's `cancelled()` builds (the runner passes Cog's CancelationException)."""
+
+
+def test_a_cancelled_follower_stops_waiting_at_once() -> None:
+    """A prediction reading a generation another prediction started (one request_id) does not
+    own it: cancelling it must end its wait now, not when the generation next emits or ends
+    (its slot thread was blocked until then), and must leave the generation to the other."""
+    engine = ScriptedEngine()
+
+    async def start_two() -> tuple[Any, Any]:
+        service = Service(Settings(), engine)
+        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
+        first = await bridge.start_generation(service, body, "follower-id")
+        second = await bridge.start_generation(service, body, "follower-id")
+        while not engine.running:
+            await asyncio.sleep(0)
+        return first, second
+
+    async def release(tokens: int) -> None:
+        engine.step(tokens)
+        await settle(20)
+
+    with engine_loop() as (loop, on_loop), concurrent.futures.ThreadPoolExecutor(1) as slot:
+        first, second = on_loop(start_two())
+        signals = bridge.CancelSignal(), bridge.CancelSignal()
+        kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
+        follower = bridge.stream_text(second, loop, FollowerCancelled, signals[1])
+        on_loop(release(1))
+        assert next(kept) == next(follower) == "t0 "
+        waiting = slot.submit(next, follower)  # no engine step comes: it blocks
+        try:
+            with pytest.raises(concurrent.futures.TimeoutError):
+                waiting.result(timeout=0.3)
+            signals[1].fire()
+            with pytest.raises(FollowerCancelled):
+                waiting.result(timeout=10)
+        finally:
+            on_loop(release(3))  # the generation ends: a wait still blocked returns, the test ends
+        assert "".join(kept) == "t1 t2 t3 "
+        assert engine.aborted == [] and len(engine.started) == 1
+
+
 def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_running() -> None:
     """Two predictions that share a `request_id` read one generation; a cancel of one is that
     reader leaving (as on the HTTP path), not an abort of the generation the other still reads.
