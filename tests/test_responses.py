@@ -5,6 +5,7 @@ identity, storage and bad input."""
 from __future__ import annotations
 
 import json
+import time
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -223,3 +224,38 @@ def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai
     calls = [item for item in called.output if item.type == "function_call"]
     assert called.status == "completed", called
     assert calls and calls[0].name == "get_time" and json.loads(calls[0].arguments)["tz"] in ("UTC", "CET")
+
+
+def test_a_retry_after_the_core_forgot_never_runs_the_model_again(live: LiveServers) -> None:
+    """The core forgets a generation after `retention_s` (here 1 s); the stored response lives on.
+    A retry with its key answers the stored object (sampled text: a second run would differ)."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    body = {"model": "tiny", "input": "once", "max_output_tokens": 16, "temperature": 1.0}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for mode, headers in [({}, {"X-Request-Id": "forgot-1"})]:
+            first = http.post("/v1/responses", json={**body, **mode}, headers=headers)
+            first_text = first.text
+            done = http.get(f"/v1/responses/{_id_of(first)}").json()
+            time.sleep(2.5)  # past the core's retention
+            again = http.post("/v1/responses", json={**body, **mode}, headers=headers)
+            other = http.post("/v1/responses", json={**body, **mode, "input": "twice"}, headers=headers)
+            assert again.status_code == 200, again.text
+            assert _final_of(again) == done and done["status"] in ("completed", "incomplete"), first_text
+            assert other.status_code == 422 and other.json()["error"]["code"] == "request_id_conflict"
+
+
+def _sse_data(reply: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+
+
+def _id_of(reply: httpx.Response) -> str:
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        return str(_sse_data(reply)[0]["response"]["id"])
+    return str(reply.json()["id"])
+
+
+def _final_of(reply: httpx.Response) -> dict[str, Any]:
+    """The Response object a create answered: its JSON, or its stream's terminal event's."""
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        return dict(_sse_data(reply)[-1]["response"])
+    return dict(reply.json())

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from shared.errors import EngineUnavailable, InvalidRequest
 from shared.http.headers import parse_request_id
 from shared.http.requests import SSE_HEADERS, EventStreamResponse, check_admission, read_json, service_of
+from shared.identity.interface import Subscription
 from shared.responses.events import Event, ResponseFolder
-from shared.responses.manager import Created, Responses, sse_frame, translate
+from shared.responses.manager import Responses, sse_frame, translate
 from shared.responses.request import parse_responses_request
+from shared.responses.store import Record
 from shared.settings import Settings
 
 MAX_STARTING_AFTER_DIGITS = 18
@@ -28,13 +30,15 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         responses = _responses(request)
         created = await responses.create(body, key)
         headers = {"X-Request-Id": key} if key else {}
-        if body.background:
-            if not body.stream:
+        response_id = created.record["id"]
+        if created.reader is None:  # background, or a retry whose generation is no longer held
+            if body.stream:
+                return _event_stream(await responses.events(response_id, None), headers)
+            if body.background and not created.retried:
                 return JSONResponse(created.record["base"], headers=headers)
-            events = await responses.events(created.record["id"], None)
-            return _event_stream(events, headers)
+            return JSONResponse(await responses.current(response_id), headers=headers)
         if body.stream:
-            return _event_stream(_stored_at_end(responses, created), headers)
+            return _event_stream(_stored_at_end(responses, created.record, created.reader), headers)
         folder = ResponseFolder(created.record["base"])
         async for _ in translate(created.reader, folder):
             pass
@@ -96,9 +100,9 @@ async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
             await aclose()
 
 
-async def _stored_at_end(responses: Responses, created: Created) -> AsyncIterator[Event]:
+async def _stored_at_end(responses: Responses, record: Record, reader: Subscription) -> AsyncIterator[Event]:
     """A plain (not background) stream; its final object is stored once it ends."""
-    folder = ResponseFolder(created.record["base"])
-    async for event in translate(created.reader, folder):
+    folder = ResponseFolder(record["base"])
+    async for event in translate(reader, folder):
         yield event
-    await responses._save(created.record, folder.response)
+    await responses._save(record, folder.response)

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from shared.errors import BundleError, EventsGone, InvalidRequest, NotFound
+from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound
 from shared.identity.interface import Subscription
 from shared.responses.door import cancel_generation, open_generation
 from shared.responses.events import Event, ResponseFolder, base_object
@@ -59,7 +59,10 @@ def response_id_for(client_key: str | None) -> str:
 @dataclass
 class Created:
     record: Record
-    reader: Subscription
+    # The handler's reader of the generation from its first event; None where the handler reads
+    # through `events`/`current` instead (background, or a retry whose generation is gone).
+    reader: Subscription | None
+    retried: bool = False  # the key named a response already stored
 
 
 class Responses:
@@ -80,6 +83,10 @@ class Responses:
         """Start the response's generation (or attach to the one its key already names) and
         store its record; raises the 4xx of bad input before anything is sent."""
         response_id = response_id_for(client_key)
+        if client_key is not None and request.store:
+            stored = await self.store.get(response_id)
+            if stored is not None:
+                return await self._retried(stored, request)
         history = await self._history(request.previous_response_id)
         reader = await open_generation(
             self.service, chat_body(request, history), response_id, follow_only=False
@@ -96,7 +103,26 @@ class Responses:
             raise
         if request.background:
             self._keep(reader, record)
+            return Created(record, None)
         return Created(record, reader)
+
+    async def _retried(self, stored: Record, request: ResponsesRequest) -> Created:
+        """A create whose key names a stored response. The core forgets a generation after
+        `retention_s`, long before the record expires, so this never starts one: a second run
+        under the same id would answer a retry with another text."""
+        if stored["request"] != _request_json(request):
+            raise IdempotencyConflict(
+                "this X-Request-Id / Idempotency-Key was already used with a different body",
+                param="X-Request-Id",
+            )
+        if request.background or stored["response"]["status"] in TERMINAL:
+            return Created(stored, None, retried=True)
+        try:
+            reader = await self._follow(stored)
+            await _admitted(reader)
+        except (EventsGone, NotFound):  # no longer held: the handler answers the stored state
+            return Created(stored, None, retried=True)
+        return Created(stored, reader, retried=True)
 
     async def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
         """The conversation `previous_response_id` continues: its input items and its output."""
@@ -210,12 +236,25 @@ def _new_record(response_id: str, request: ResponsesRequest, history: list[dict[
     base = base_object(response_id, request, int(time.time()))
     return {
         "id": response_id,
-        "request": request.model_dump(mode="json", by_alias=True, exclude_unset=True),
+        "request": _request_json(request),
         "history": history,
         # Every reader folds the log from this same start (`response` is the object as last known).
         "base": base,
         "response": base,
     }
+
+
+def _request_json(request: ResponsesRequest) -> dict[str, Any]:
+    return request.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+async def _admitted(reader: Subscription) -> None:
+    """Wait for the reader's admission; close it if that fails (nothing else would)."""
+    try:
+        await reader.admitted()
+    except BaseException:
+        reader.close()
+        raise
 
 
 async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterator[Event]:
