@@ -168,7 +168,7 @@ class Responses:
             return
         record = {**record, "response": response}
         with contextlib.suppress(BundleError):  # logged by the store's caller on the next read
-            await self.store.put(record["id"], record)
+            await self.store.update(record["id"], record)
 
     # --- read ------------------------------------------------------------------------------------
     async def record(self, response_id: str) -> Record:
