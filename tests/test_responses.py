@@ -259,3 +259,18 @@ def _final_of(reply: httpx.Response) -> dict[str, Any]:
     if reply.headers["content-type"].startswith("text/event-stream"):
         return dict(_sse_data(reply)[-1]["response"])
     return dict(reply.json())
+
+
+def test_a_stored_plain_stream_whose_client_leaves_is_stored_final(live: LiveServers) -> None:
+    """Not background, store=true: the client reads a few events and leaves; the response still
+    runs to its end and its final object is stored (GET after the core forgot the events)."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        stream = sdk.responses.create(model="tiny", input="go", max_output_tokens=40, stream=True)
+        seen = [next(stream) for _ in range(4)]
+        stream.close()
+        response_id = seen[0].response.id
+        time.sleep(8.0)  # the end (40 tokens), then past the core's retention of its events
+        final = sdk.responses.retrieve(response_id)
+    assert final.status == "incomplete" and final.usage is not None, final
+    assert final.usage.output_tokens == 40 and final.output_text

@@ -11,11 +11,9 @@ from fastapi.responses import JSONResponse, Response
 from shared.errors import EngineUnavailable, InvalidRequest
 from shared.http.headers import parse_request_id
 from shared.http.requests import SSE_HEADERS, EventStreamResponse, check_admission, read_json, service_of
-from shared.identity.interface import Subscription
 from shared.responses.events import Event, ResponseFolder
 from shared.responses.manager import Responses, sse_frame, translate
 from shared.responses.request import parse_responses_request
-from shared.responses.store import Record
 from shared.settings import Settings
 
 MAX_STARTING_AFTER_DIGITS = 18
@@ -38,11 +36,10 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
                 return JSONResponse(created.record["base"], headers=headers)
             return JSONResponse(await responses.current(response_id), headers=headers)
         if body.stream:
-            return _event_stream(_stored_at_end(responses, created.record, created.reader), headers)
+            return _event_stream(translate(created.reader, ResponseFolder(created.record["base"])), headers)
         folder = ResponseFolder(created.record["base"])
         async for _ in translate(created.reader, folder):
-            pass
-        await responses._save(created.record, folder.response)
+            pass  # the keeper, not the handler, stores the final object
         return JSONResponse(folder.response, headers=headers)
 
     @app.get("/v1/responses/{response_id}")
@@ -98,11 +95,3 @@ async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         aclose: Any = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-async def _stored_at_end(responses: Responses, record: Record, reader: Subscription) -> AsyncIterator[Event]:
-    """A plain (not background) stream; its final object is stored once it ends."""
-    folder = ResponseFolder(record["base"])
-    async for event in translate(reader, folder):
-        yield event
-    await responses._save(record, folder.response)

@@ -101,10 +101,14 @@ class Responses:
         except BaseException:
             reader.close()
             raise
+        if not request.store:
+            return Created(record, reader)
+        # Every stored response is kept to its end here and its final object saved, whoever
+        # reads it: a client that leaves must not leave it `in_progress` for ever.
+        self._keep(reader, record)
         if request.background:
-            self._keep(reader, record)
             return Created(record, None)
-        return Created(record, reader)
+        return Created(record, await self._reader_of(record))
 
     async def _retried(self, stored: Record, request: ResponsesRequest) -> Created:
         """A create whose key names a stored response. The core forgets a generation after
@@ -118,8 +122,7 @@ class Responses:
         if request.background or stored["response"]["status"] in TERMINAL:
             return Created(stored, None, retried=True)
         try:
-            reader = await self._follow(stored)
-            await _admitted(reader)
+            reader = await self._reader_of(stored)
         except (EventsGone, NotFound):  # no longer held: the handler answers the stored state
             return Created(stored, None, retried=True)
         return Created(stored, reader, retried=True)
@@ -146,7 +149,7 @@ class Responses:
         return [*record["history"], *input_messages(previous), *output_messages(response["output"])]
 
     def _keep(self, reader: Subscription, record: Record) -> None:
-        """Follow a background response to its end on this replica and store the final object."""
+        """Follow a stored response to its end on this replica and store the final object."""
 
         async def keep() -> None:
             folder = ResponseFolder(record["base"])
@@ -207,6 +210,11 @@ class Responses:
             await reader.admitted()
             source = translate(reader, folder)
         return _after(source, after)
+
+    async def _reader_of(self, record: Record) -> Subscription:
+        reader = await self._follow(record)
+        await _admitted(reader)
+        return reader
 
     async def _follow(self, record: Record) -> Subscription:
         request = parse_responses_request(record["request"])
