@@ -4,6 +4,8 @@ identity, storage and bad input."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import time
 import typing
@@ -14,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from shared.responses.manager import Responses
+from shared.responses.request import parse_responses_request
 from shared.service import Service
 from tests.conftest import LiveServers, wait_until
 
@@ -274,3 +278,26 @@ def test_a_stored_plain_stream_whose_client_leaves_is_stored_final(live: LiveSer
         final = sdk.responses.retrieve(response_id)
     assert final.status == "incomplete" and final.usage is not None, final
     assert final.usage.output_tokens == 40 and final.output_text
+
+
+def test_a_stream_left_after_its_first_event_leaves_no_reader_behind(live: LiveServers) -> None:
+    """Readers of a running response left right after `response.created` (the moment an HTTP
+    stream whose client leaves can stop at) close their subscription: once the response ended,
+    no reader is left on the core."""
+    _, service = live.serve(responses_retention_s=60.0)
+
+    async def leave_early() -> int:
+        responses = Responses(service)
+        body = {"model": "tiny", "input": "go", "max_output_tokens": 40, "background": True}
+        created = await responses.create(parse_responses_request(body), None)
+        events = await responses.events(created.record["id"], None)
+        assert (await anext(events))["type"] == "response.created"
+        await events.aclose()  # type: ignore[attr-defined]
+        await asyncio.gather(*responses._keepers)  # the response's end
+        gc.collect()  # a generator left suspended is finalized now
+        await asyncio.sleep(0.5)
+        subscribers = service.stats()["subscribers"]
+        await responses.aclose()
+        return subscribers
+
+    assert live.call(leave_early()) == 0

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,7 +207,7 @@ class Responses:
         except EventsGone as error:
             source = _failed_source(folder, error)
         else:
-            await reader.admitted()
+            await _admitted(reader)
             source = translate(reader, folder)
         return _after(source, after)
 
@@ -265,11 +265,11 @@ async def _admitted(reader: Subscription) -> None:
         raise
 
 
-async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterator[Event]:
+async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncGenerator[Event, None]:
     """The Responses events of a generation's chat stream, from its first event to its end."""
-    for event in folder.start():
-        yield event
-    try:
+    try:  # from the first event: a reader left at `response.created` is closed all the same
+        for event in folder.start():
+            yield event
         async for chunk in reader.events():
             for data in sse_payloads(chunk):
                 events = folder.on_done() if data == b"[DONE]" else folder.on_chunk(orjson.loads(data))
@@ -282,15 +282,16 @@ async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterat
             yield event
 
 
-async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncIterator[Event]:
+async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncGenerator[Event, None]:
     for event in [*folder.start(), *folder.fail(error.code or "events_gone", error.message)]:
         yield event
 
 
-async def _after(source: AsyncIterator[Event], after: int) -> AsyncIterator[Event]:
-    async for event in source:
-        if event["sequence_number"] > after:
-            yield event
+async def _after(source: AsyncGenerator[Event, None], after: int) -> AsyncIterator[Event]:
+    async with contextlib.aclosing(source):  # closing this closes the source (and its reader)
+        async for event in source:
+            if event["sequence_number"] > after:
+                yield event
 
 
 def sse_payloads(chunk: bytes) -> list[bytes]:
