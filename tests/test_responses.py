@@ -236,7 +236,10 @@ def test_a_retry_after_the_core_forgot_never_runs_the_model_again(live: LiveServ
     base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
     body = {"model": "tiny", "input": "once", "max_output_tokens": 16, "temperature": 1.0}
     with httpx.Client(base_url=base, timeout=60) as http:
-        for mode, headers in [({}, {"X-Request-Id": "forgot-1"})]:
+        for mode, headers in [
+            ({}, {"X-Request-Id": "forgot-1"}),
+            ({"stream": True}, {"Idempotency-Key": "forgot-2"}),
+        ]:
             first = http.post("/v1/responses", json={**body, **mode}, headers=headers)
             first_text = first.text
             done = http.get(f"/v1/responses/{_id_of(first)}").json()
@@ -301,3 +304,29 @@ def test_a_stream_left_after_its_first_event_leaves_no_reader_behind(live: LiveS
         return subscribers
 
     assert live.call(leave_early()) == 0
+
+
+def test_a_finished_response_streams_again_after_its_log_expired(live: LiveServers) -> None:
+    """After the core forgot the events (retention_s=1), a stream of a finished response is
+    rebuilt from the stored object: the live stream's event types (one delta), numbered afresh."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 12, "stream": True}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        live_events = _sse_data(http.post("/v1/responses", json=body))
+        response_id = live_events[0]["response"]["id"]
+        time.sleep(2.5)
+        again = _sse_data(http.get(f"/v1/responses/{response_id}", params={"stream": "true"}))
+        later = _sse_data(
+            http.get(f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "3"})
+        )
+        final = http.get(f"/v1/responses/{response_id}").json()
+    assert final["status"] == "incomplete" and again[-1]["response"] == final == live_events[-1]["response"]
+    kinds = [e["type"] for e in live_events]
+    one_delta = [k for i, k in enumerate(kinds) if not (k.endswith(".delta") and kinds[i - 1] == k)]
+    assert [e["type"] for e in again] == one_delta
+    assert [e["sequence_number"] for e in again] == list(range(len(again)))
+    assert (
+        "".join(e["delta"] for e in again if e["type"].endswith(".delta"))
+        == final["output"][0]["content"][0]["text"]
+    )
+    assert later == again[4:]

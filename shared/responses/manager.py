@@ -26,7 +26,7 @@ import orjson
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound
 from shared.identity.interface import Subscription
 from shared.responses.door import cancel_generation, open_generation
-from shared.responses.events import Event, ResponseFolder, base_object
+from shared.responses.events import Event, ResponseFolder, base_object, rebuilt_events
 from shared.responses.request import (
     ResponsesRequest,
     chat_body,
@@ -205,7 +205,8 @@ class Responses:
         try:
             reader = await self._follow(record)
         except EventsGone as error:
-            source = _failed_source(folder, error)
+            final = record["response"]["status"] in TERMINAL  # its log expired, not its object
+            source = _listed(rebuilt_events(record["response"])) if final else _failed_source(folder, error)
         else:
             await _admitted(reader)
             source = translate(reader, folder)
@@ -280,6 +281,11 @@ async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncGenera
     if not folder.ended:  # never without a terminal event: the SDK's stream helper needs one
         for event in folder.fail("stream_ended", "the generation's events ended without an end"):
             yield event
+
+
+async def _listed(events: list[Event]) -> AsyncGenerator[Event, None]:
+    for event in events:
+        yield event
 
 
 async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncGenerator[Event, None]:
