@@ -330,3 +330,18 @@ def test_a_finished_response_streams_again_after_its_log_expired(live: LiveServe
         == final["output"][0]["content"][0]["text"]
     )
     assert later == again[4:]
+
+
+def test_a_background_create_retried_after_its_end_answers_the_final_object(
+    server: tuple[str, Service],
+) -> None:
+    body = {"model": "tiny", "input": "bg", "max_output_tokens": 8, "background": True}
+    headers = {"Idempotency-Key": "responses-background-retry-1"}
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        first = http.post("/v1/responses", json=body, headers=headers).json()
+        assert first["status"] == "queued"
+        url = f"/v1/responses/{first['id']}"
+        wait_until(lambda: http.get(url).json()["status"] == "incomplete", timeout=60)
+        again = http.post("/v1/responses", json=body, headers=headers)
+        assert again.status_code == 200 and again.json() == http.get(url).json()
+        assert again.json()["status"] == "incomplete" and again.json()["output"]

@@ -10,6 +10,7 @@ when. `starting_after=N` is then "translate from the start, send what comes afte
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 from shared.responses.request import ResponsesRequest
@@ -57,7 +58,9 @@ class ResponseFolder:
 
     def __init__(self, base: dict[str, Any]) -> None:
         self.response = copy.deepcopy(base)
-        self._suffix = base["id"].removeprefix("resp_")[:40]
+        # Item ids come from their own hash of the response id: an item id shown to someone
+        # must not give away most of the response id (the key to read or cancel it).
+        self._suffix = hashlib.sha256(b"bundle-response-items\0" + base["id"].encode()).hexdigest()[:40]
         self._sequence = -1
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # open function_call items by chat tool index
@@ -225,8 +228,10 @@ class ResponseFolder:
         message = str(error.get("message") or "the generation failed")
         # The SDK knows no `response.cancelled` event: a cancelled response ends with
         # `response.failed` whose response says status "cancelled" (docs/responses.md).
-        self.response["status"] = "cancelled" if code in CANCELLED_CODES else "failed"
-        self.response["error"] = {"code": code, "message": message}
+        cancelled = code in CANCELLED_CODES
+        self.response["status"] = "cancelled" if cancelled else "failed"
+        # OpenAI's cancelled response carries no error: it was stopped, nothing went wrong.
+        self.response["error"] = None if cancelled else {"code": code, "message": message}
         return [*events, self._event("response.failed", response=self._snapshot())]
 
     def _usage(self, usage: dict[str, Any]) -> None:
