@@ -4,7 +4,10 @@ identity, storage and bad input."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import time
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from shared.responses.manager import Responses
+from shared.responses.request import parse_responses_request
 from shared.service import Service
 from tests.conftest import LiveServers, wait_until
 
@@ -223,3 +228,120 @@ def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai
     calls = [item for item in called.output if item.type == "function_call"]
     assert called.status == "completed", called
     assert calls and calls[0].name == "get_time" and json.loads(calls[0].arguments)["tz"] in ("UTC", "CET")
+
+
+def test_a_retry_after_the_core_forgot_never_runs_the_model_again(live: LiveServers) -> None:
+    """The core forgets a generation after `retention_s` (here 1 s); the stored response lives on.
+    A retry with its key answers the stored object (sampled text: a second run would differ)."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    body = {"model": "tiny", "input": "once", "max_output_tokens": 16, "temperature": 1.0}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for mode, headers in [
+            ({}, {"X-Request-Id": "forgot-1"}),
+            ({"stream": True}, {"Idempotency-Key": "forgot-2"}),
+        ]:
+            first = http.post("/v1/responses", json={**body, **mode}, headers=headers)
+            first_text = first.text
+            done = http.get(f"/v1/responses/{_id_of(first)}").json()
+            time.sleep(2.5)  # past the core's retention
+            again = http.post("/v1/responses", json={**body, **mode}, headers=headers)
+            other = http.post("/v1/responses", json={**body, **mode, "input": "twice"}, headers=headers)
+            assert again.status_code == 200, again.text
+            assert _final_of(again) == done and done["status"] in ("completed", "incomplete"), first_text
+            assert other.status_code == 422 and other.json()["error"]["code"] == "request_id_conflict"
+
+
+def _sse_data(reply: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+
+
+def _id_of(reply: httpx.Response) -> str:
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        return str(_sse_data(reply)[0]["response"]["id"])
+    return str(reply.json()["id"])
+
+
+def _final_of(reply: httpx.Response) -> dict[str, Any]:
+    """The Response object a create answered: its JSON, or its stream's terminal event's."""
+    if reply.headers["content-type"].startswith("text/event-stream"):
+        return dict(_sse_data(reply)[-1]["response"])
+    return dict(reply.json())
+
+
+def test_a_stored_plain_stream_whose_client_leaves_is_stored_final(live: LiveServers) -> None:
+    """Not background, store=true: the client reads a few events and leaves; the response still
+    runs to its end and its final object is stored (GET after the core forgot the events)."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        stream = sdk.responses.create(model="tiny", input="go", max_output_tokens=40, stream=True)
+        seen = [next(stream) for _ in range(4)]
+        stream.close()
+        response_id = seen[0].response.id
+        time.sleep(8.0)  # the end (40 tokens), then past the core's retention of its events
+        final = sdk.responses.retrieve(response_id)
+    assert final.status == "incomplete" and final.usage is not None, final
+    assert final.usage.output_tokens == 40 and final.output_text
+
+
+def test_a_stream_left_after_its_first_event_leaves_no_reader_behind(live: LiveServers) -> None:
+    """Readers of a running response left right after `response.created` (the moment an HTTP
+    stream whose client leaves can stop at) close their subscription: once the response ended,
+    no reader is left on the core."""
+    _, service = live.serve(responses_retention_s=60.0)
+
+    async def leave_early() -> int:
+        responses = Responses(service)
+        body = {"model": "tiny", "input": "go", "max_output_tokens": 40, "background": True}
+        created = await responses.create(parse_responses_request(body), None)
+        events = await responses.events(created.record["id"], None)
+        assert (await anext(events))["type"] == "response.created"
+        await events.aclose()  # type: ignore[attr-defined]
+        await asyncio.gather(*responses._keepers)  # the response's end
+        gc.collect()  # a generator left suspended is finalized now
+        await asyncio.sleep(0.5)
+        subscribers = service.stats()["subscribers"]
+        await responses.aclose()
+        return subscribers
+
+    assert live.call(leave_early()) == 0
+
+
+def test_a_finished_response_streams_again_after_its_log_expired(live: LiveServers) -> None:
+    """After the core forgot the events (retention_s=1), a stream of a finished response is
+    rebuilt from the stored object: the live stream's event types (one delta), numbered afresh."""
+    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 12, "stream": True}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        live_events = _sse_data(http.post("/v1/responses", json=body))
+        response_id = live_events[0]["response"]["id"]
+        time.sleep(2.5)
+        again = _sse_data(http.get(f"/v1/responses/{response_id}", params={"stream": "true"}))
+        later = _sse_data(
+            http.get(f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": "3"})
+        )
+        final = http.get(f"/v1/responses/{response_id}").json()
+    assert final["status"] == "incomplete" and again[-1]["response"] == final == live_events[-1]["response"]
+    kinds = [e["type"] for e in live_events]
+    one_delta = [k for i, k in enumerate(kinds) if not (k.endswith(".delta") and kinds[i - 1] == k)]
+    assert [e["type"] for e in again] == one_delta
+    assert [e["sequence_number"] for e in again] == list(range(len(again)))
+    assert (
+        "".join(e["delta"] for e in again if e["type"].endswith(".delta"))
+        == final["output"][0]["content"][0]["text"]
+    )
+    assert later == again[4:]
+
+
+def test_a_background_create_retried_after_its_end_answers_the_final_object(
+    server: tuple[str, Service],
+) -> None:
+    body = {"model": "tiny", "input": "bg", "max_output_tokens": 8, "background": True}
+    headers = {"Idempotency-Key": "responses-background-retry-1"}
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        first = http.post("/v1/responses", json=body, headers=headers).json()
+        assert first["status"] == "queued"
+        url = f"/v1/responses/{first['id']}"
+        wait_until(lambda: http.get(url).json()["status"] == "incomplete", timeout=60)
+        again = http.post("/v1/responses", json=body, headers=headers)
+        assert again.status_code == 200 and again.json() == http.get(url).json()
+        assert again.json()["status"] == "incomplete" and again.json()["output"]

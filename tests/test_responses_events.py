@@ -9,7 +9,7 @@ from typing import Any
 from openai._models import construct_type
 from openai.types.responses import ResponseStreamEvent
 
-from shared.responses.events import ResponseFolder, base_object
+from shared.responses.events import ResponseFolder, base_object, rebuilt_events
 from shared.responses.request import parse_responses_request
 
 
@@ -63,3 +63,28 @@ def test_a_cancel_error_ends_with_failed_and_status_cancelled() -> None:
     parsed(events)
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
     assert events[-2]["type"] == "response.output_item.done"  # the open message is closed first
+    assert events[-1]["response"]["error"] is None  # OpenAI's shape of a cancelled response
+
+
+def test_item_ids_do_not_carry_the_response_id() -> None:
+    fold = folder()
+    events = fold.start() + fold.on_chunk(chunk(content="x"))
+    call = {"index": 0, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    events += fold.on_chunk(chunk(tool_calls=[call])) + fold.on_done()
+    response_hex = fold.response["id"].removeprefix("resp_")
+    ids = [item["id"] for item in fold.response["output"]] + [fold.response["output"][1]["call_id"]]
+    assert [i.split("_")[0] for i in ids] == ["msg", "fc", "call"]
+    assert all(response_hex[:8] not in i and i.split("_")[-1] not in response_hex for i in ids), ids
+
+
+def test_rebuilt_events_of_a_final_object_parse_and_end_with_it() -> None:
+    fold = folder()
+    live = fold.start() + fold.on_chunk(chunk(content="a")) + fold.on_chunk(chunk(content="b"))
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    live += fold.on_chunk(chunk(tool_calls=[call])) + fold.on_done()
+    rebuilt = rebuilt_events(fold.response)
+    parsed(rebuilt)
+    assert [e["sequence_number"] for e in rebuilt] == list(range(len(rebuilt)))
+    assert rebuilt[-1]["response"] == live[-1]["response"] and rebuilt[0]["response"]["status"] == "queued"
+    kinds = [e["type"] for e in live]
+    assert [e["type"] for e in rebuilt] == [k for i, k in enumerate(kinds) if k != kinds[i - 1]]

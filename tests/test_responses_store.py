@@ -54,3 +54,21 @@ async def test_records_expire_after_the_retention(redis_server: RedisServer) -> 
         await asyncio.sleep(0.5)
         assert await store.get(name) is None
         await store.aclose()
+
+
+async def test_an_update_never_brings_a_deleted_record_back_and_keeps_its_age(
+    redis_server: RedisServer,
+) -> None:
+    for store in stores(redis_server, responses_retention_s=0.8):
+        name = f"resp_update_{type(store).__name__}"
+        assert await store.update(name, record(name)) is False and await store.get(name) is None
+        await store.put(name, record(name))
+        await asyncio.sleep(0.5)
+        assert await store.update(name, record(name, size=20)) is True
+        assert (await store.get(name) or {}).get("history") == ["x" * 20]
+        await asyncio.sleep(0.5)  # 1.0 s after the put: expired, though updated 0.5 s ago
+        assert await store.get(name) is None
+        await store.put(name, record(name))
+        assert await store.delete(name) is True
+        assert await store.update(name, record(name)) is False and await store.get(name) is None
+        await store.aclose()

@@ -12,7 +12,7 @@ from shared.errors import EngineUnavailable, InvalidRequest
 from shared.http.headers import parse_request_id
 from shared.http.requests import SSE_HEADERS, EventStreamResponse, check_admission, read_json, service_of
 from shared.responses.events import Event, ResponseFolder
-from shared.responses.manager import Created, Responses, sse_frame, translate
+from shared.responses.manager import Responses, sse_frame, translate
 from shared.responses.request import parse_responses_request
 from shared.settings import Settings
 
@@ -28,17 +28,18 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         responses = _responses(request)
         created = await responses.create(body, key)
         headers = {"X-Request-Id": key} if key else {}
-        if body.background:
-            if not body.stream:
+        response_id = created.record["id"]
+        if created.reader is None:  # background, or a retry whose generation is no longer held
+            if body.stream:
+                return _event_stream(await responses.events(response_id, None), headers)
+            if body.background and not created.retried:
                 return JSONResponse(created.record["base"], headers=headers)
-            events = await responses.events(created.record["id"], None)
-            return _event_stream(events, headers)
+            return JSONResponse(await responses.current(response_id), headers=headers)
         if body.stream:
-            return _event_stream(_stored_at_end(responses, created), headers)
+            return _event_stream(translate(created.reader, ResponseFolder(created.record["base"])), headers)
         folder = ResponseFolder(created.record["base"])
         async for _ in translate(created.reader, folder):
-            pass
-        await responses._save(created.record, folder.response)
+            pass  # the keeper, not the handler, stores the final object
         return JSONResponse(folder.response, headers=headers)
 
     @app.get("/v1/responses/{response_id}")
@@ -94,11 +95,3 @@ async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         aclose: Any = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-async def _stored_at_end(responses: Responses, created: Created) -> AsyncIterator[Event]:
-    """A plain (not background) stream; its final object is stored once it ends."""
-    folder = ResponseFolder(created.record["base"])
-    async for event in translate(created.reader, folder):
-        yield event
-    await responses._save(created.record, folder.response)

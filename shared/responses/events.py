@@ -10,6 +10,7 @@ when. `starting_after=N` is then "translate from the start, send what comes afte
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 from shared.responses.request import ResponsesRequest
@@ -57,7 +58,9 @@ class ResponseFolder:
 
     def __init__(self, base: dict[str, Any]) -> None:
         self.response = copy.deepcopy(base)
-        self._suffix = base["id"].removeprefix("resp_")[:40]
+        # Item ids come from their own hash of the response id: an item id shown to someone
+        # must not give away most of the response id (the key to read or cancel it).
+        self._suffix = hashlib.sha256(b"bundle-response-items\0" + base["id"].encode()).hexdigest()[:40]
         self._sequence = -1
         self._message: dict[str, Any] | None = None  # the open message item
         self._calls: dict[int, dict[str, Any]] = {}  # open function_call items by chat tool index
@@ -225,8 +228,10 @@ class ResponseFolder:
         message = str(error.get("message") or "the generation failed")
         # The SDK knows no `response.cancelled` event: a cancelled response ends with
         # `response.failed` whose response says status "cancelled" (docs/responses.md).
-        self.response["status"] = "cancelled" if code in CANCELLED_CODES else "failed"
-        self.response["error"] = {"code": code, "message": message}
+        cancelled = code in CANCELLED_CODES
+        self.response["status"] = "cancelled" if cancelled else "failed"
+        # OpenAI's cancelled response carries no error: it was stopped, nothing went wrong.
+        self.response["error"] = None if cancelled else {"code": code, "message": message}
         return [*events, self._event("response.failed", response=self._snapshot())]
 
     def _usage(self, usage: dict[str, Any]) -> None:
@@ -248,3 +253,67 @@ class ResponseFolder:
 
 def _without_content(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "content": []}
+
+
+TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete"}
+
+
+def rebuilt_events(final: dict[str, Any]) -> list[Event]:
+    """The events of a finished response rebuilt from its stored object, for a stream asked for
+    after its log expired: the same event types a live reader got, with each item's text (or
+    arguments) in one delta. So numbers after the first delta differ from the live ones
+    (docs/responses.md)."""
+    start = {**final, "output": [], "usage": None, "error": None, "incomplete_details": None}
+    events: list[Event] = [
+        {
+            "type": "response.created",
+            "response": {**start, "status": "queued" if final["background"] else "in_progress"},
+        },
+        {"type": "response.in_progress", "response": {**start, "status": "in_progress"}},
+    ]
+    for index, item in enumerate(final["output"]):
+        events += _message_events(index, item) if item["type"] == "message" else _call_events(index, item)
+    events.append({"type": TERMINAL_EVENTS.get(final["status"], "response.failed"), "response": final})
+    return [{"type": e["type"], "sequence_number": n, **e} for n, e in enumerate(events)]
+
+
+def _message_events(index: int, item: dict[str, Any]) -> list[Event]:
+    part = item["content"][0] if item["content"] else {"type": "output_text", "text": "", "annotations": []}
+    common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+    return [
+        {
+            "type": "response.output_item.added",
+            "output_index": index,
+            "item": {**item, "status": "in_progress", "content": []},
+        },
+        {"type": "response.content_part.added", **common, "part": {**part, "text": ""}},
+        {"type": "response.output_text.delta", **common, "delta": part["text"], "logprobs": []},
+        {"type": "response.output_text.done", **common, "text": part["text"], "logprobs": []},
+        {"type": "response.content_part.done", **common, "part": part},
+        {"type": "response.output_item.done", "output_index": index, "item": item},
+    ]
+
+
+def _call_events(index: int, item: dict[str, Any]) -> list[Event]:
+    common = {"item_id": item["id"], "output_index": index}
+    added = {
+        "type": "response.output_item.added",
+        "output_index": index,
+        "item": {**item, "status": "in_progress", "arguments": ""},
+    }
+    delta = (
+        [{"type": "response.function_call_arguments.delta", **common, "delta": item["arguments"]}]
+        if item["arguments"]
+        else []
+    )
+    return [
+        added,
+        *delta,
+        {
+            "type": "response.function_call_arguments.done",
+            **common,
+            "name": item["name"],
+            "arguments": item["arguments"],
+        },
+        {"type": "response.output_item.done", "output_index": index, "item": item},
+    ]

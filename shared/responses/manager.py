@@ -17,16 +17,16 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from shared.errors import BundleError, EventsGone, InvalidRequest, NotFound
+from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound
 from shared.identity.interface import Subscription
 from shared.responses.door import cancel_generation, open_generation
-from shared.responses.events import Event, ResponseFolder, base_object
+from shared.responses.events import Event, ResponseFolder, base_object, rebuilt_events
 from shared.responses.request import (
     ResponsesRequest,
     chat_body,
@@ -59,7 +59,10 @@ def response_id_for(client_key: str | None) -> str:
 @dataclass
 class Created:
     record: Record
-    reader: Subscription
+    # The handler's reader of the generation from its first event; None where the handler reads
+    # through `events`/`current` instead (background, or a retry whose generation is gone).
+    reader: Subscription | None
+    retried: bool = False  # the key named a response already stored
 
 
 class Responses:
@@ -80,6 +83,10 @@ class Responses:
         """Start the response's generation (or attach to the one its key already names) and
         store its record; raises the 4xx of bad input before anything is sent."""
         response_id = response_id_for(client_key)
+        if client_key is not None and request.store:
+            stored = await self.store.get(response_id)
+            if stored is not None:
+                return await self._retried(stored, request)
         history = await self._history(request.previous_response_id)
         reader = await open_generation(
             self.service, chat_body(request, history), response_id, follow_only=False
@@ -94,9 +101,31 @@ class Responses:
         except BaseException:
             reader.close()
             raise
+        if not request.store:
+            return Created(record, reader)
+        # Every stored response is kept to its end here and its final object saved, whoever
+        # reads it: a client that leaves must not leave it `in_progress` for ever.
+        self._keep(reader, record)
         if request.background:
-            self._keep(reader, record)
-        return Created(record, reader)
+            return Created(record, None)
+        return Created(record, await self._reader_of(record))
+
+    async def _retried(self, stored: Record, request: ResponsesRequest) -> Created:
+        """A create whose key names a stored response. The core forgets a generation after
+        `retention_s`, long before the record expires, so this never starts one: a second run
+        under the same id would answer a retry with another text."""
+        if stored["request"] != _request_json(request):
+            raise IdempotencyConflict(
+                "this X-Request-Id / Idempotency-Key was already used with a different body",
+                param="X-Request-Id",
+            )
+        if request.background or stored["response"]["status"] in TERMINAL:
+            return Created(stored, None, retried=True)
+        try:
+            reader = await self._reader_of(stored)
+        except (EventsGone, NotFound):  # no longer held: the handler answers the stored state
+            return Created(stored, None, retried=True)
+        return Created(stored, reader, retried=True)
 
     async def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
         """The conversation `previous_response_id` continues: its input items and its output."""
@@ -120,7 +149,7 @@ class Responses:
         return [*record["history"], *input_messages(previous), *output_messages(response["output"])]
 
     def _keep(self, reader: Subscription, record: Record) -> None:
-        """Follow a background response to its end on this replica and store the final object."""
+        """Follow a stored response to its end on this replica and store the final object."""
 
         async def keep() -> None:
             folder = ResponseFolder(record["base"])
@@ -142,7 +171,7 @@ class Responses:
             return
         record = {**record, "response": response}
         with contextlib.suppress(BundleError):  # logged by the store's caller on the next read
-            await self.store.put(record["id"], record)
+            await self.store.update(record["id"], record)
 
     # --- read ------------------------------------------------------------------------------------
     async def record(self, response_id: str) -> Record:
@@ -176,11 +205,17 @@ class Responses:
         try:
             reader = await self._follow(record)
         except EventsGone as error:
-            source = _failed_source(folder, error)
+            final = record["response"]["status"] in TERMINAL  # its log expired, not its object
+            source = _listed(rebuilt_events(record["response"])) if final else _failed_source(folder, error)
         else:
-            await reader.admitted()
+            await _admitted(reader)
             source = translate(reader, folder)
         return _after(source, after)
+
+    async def _reader_of(self, record: Record) -> Subscription:
+        reader = await self._follow(record)
+        await _admitted(reader)
+        return reader
 
     async def _follow(self, record: Record) -> Subscription:
         request = parse_responses_request(record["request"])
@@ -210,7 +245,7 @@ def _new_record(response_id: str, request: ResponsesRequest, history: list[dict[
     base = base_object(response_id, request, int(time.time()))
     return {
         "id": response_id,
-        "request": request.model_dump(mode="json", by_alias=True, exclude_unset=True),
+        "request": _request_json(request),
         "history": history,
         # Every reader folds the log from this same start (`response` is the object as last known).
         "base": base,
@@ -218,11 +253,24 @@ def _new_record(response_id: str, request: ResponsesRequest, history: list[dict[
     }
 
 
-async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterator[Event]:
-    """The Responses events of a generation's chat stream, from its first event to its end."""
-    for event in folder.start():
-        yield event
+def _request_json(request: ResponsesRequest) -> dict[str, Any]:
+    return request.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+async def _admitted(reader: Subscription) -> None:
+    """Wait for the reader's admission; close it if that fails (nothing else would)."""
     try:
+        await reader.admitted()
+    except BaseException:
+        reader.close()
+        raise
+
+
+async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncGenerator[Event, None]:
+    """The Responses events of a generation's chat stream, from its first event to its end."""
+    try:  # from the first event: a reader left at `response.created` is closed all the same
+        for event in folder.start():
+            yield event
         async for chunk in reader.events():
             for data in sse_payloads(chunk):
                 events = folder.on_done() if data == b"[DONE]" else folder.on_chunk(orjson.loads(data))
@@ -235,15 +283,21 @@ async def translate(reader: Subscription, folder: ResponseFolder) -> AsyncIterat
             yield event
 
 
-async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncIterator[Event]:
+async def _listed(events: list[Event]) -> AsyncGenerator[Event, None]:
+    for event in events:
+        yield event
+
+
+async def _failed_source(folder: ResponseFolder, error: BundleError) -> AsyncGenerator[Event, None]:
     for event in [*folder.start(), *folder.fail(error.code or "events_gone", error.message)]:
         yield event
 
 
-async def _after(source: AsyncIterator[Event], after: int) -> AsyncIterator[Event]:
-    async for event in source:
-        if event["sequence_number"] > after:
-            yield event
+async def _after(source: AsyncGenerator[Event, None], after: int) -> AsyncIterator[Event]:
+    async with contextlib.aclosing(source):  # closing this closes the source (and its reader)
+        async for event in source:
+            if event["sequence_number"] > after:
+                yield event
 
 
 def sse_payloads(chunk: bytes) -> list[bytes]:

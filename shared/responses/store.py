@@ -31,6 +31,8 @@ class ResponseStore(Protocol):
 
     async def put(self, response_id: str, record: Record) -> None: ...
 
+    async def update(self, response_id: str, record: Record) -> bool: ...
+
     async def delete(self, response_id: str) -> bool: ...
 
     async def aclose(self) -> None: ...
@@ -82,6 +84,15 @@ class MemoryStore:
         self._records.move_to_end(response_id)
         self._evict()
 
+    async def update(self, response_id: str, record: Record) -> bool:
+        """Replace a record still held (its age unchanged); False, and nothing stored, if it
+        was deleted or expired meanwhile: a late save must not bring a deleted response back."""
+        self._evict()
+        if response_id not in self._records:
+            return False
+        await self.put(response_id, record)
+        return True
+
     async def delete(self, response_id: str) -> bool:
         return self._records.pop(response_id, None) is not None
 
@@ -126,6 +137,13 @@ class RedisStore:
             oldest = await self._call(self._redis.zpopmin(INDEX_KEY, over))
             if oldest:
                 await self._call(self._redis.delete(*(PREFIX + member.decode() for member, _ in oldest)))
+
+    async def update(self, response_id: str, record: Record) -> bool:
+        """Replace a record still held, keeping its TTL (so it expires when its place in the
+        count index does); False, and nothing stored, if it was deleted or expired meanwhile."""
+        raw = encode(record, self._settings.responses_max_record_bytes)
+        done = await self._call(self._redis.set(PREFIX + response_id, raw, xx=True, keepttl=True))
+        return bool(done)
 
     async def delete(self, response_id: str) -> bool:
         pipe = self._redis.pipeline(transaction=True)
