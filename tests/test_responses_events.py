@@ -3,6 +3,7 @@ an error that means cancelled, and that the SDK parses each event into its own c
 
 from __future__ import annotations
 
+import hashlib
 import typing
 from typing import Any
 
@@ -88,3 +89,17 @@ def test_rebuilt_events_of_a_final_object_parse_and_end_with_it() -> None:
     assert rebuilt[-1]["response"] == live[-1]["response"] and rebuilt[0]["response"]["status"] == "queued"
     kinds = [e["type"] for e in live]
     assert [e["type"] for e in rebuilt] == [k for i, k in enumerate(kinds) if k != kinds[i - 1]]
+
+
+def test_a_keyed_response_id_needs_the_deploys_secret() -> None:
+    """Derived from the client's key so that every replica names a retry's response alike, and
+    keyed with the API key so that a client key seen in a log does not name it."""
+    from shared.responses.manager import response_id_for
+
+    key = "client-retry-key"
+    named = response_id_for(key, b"sk-a")
+    assert named == response_id_for(key, b"sk-a")  # every replica of one deploy agrees
+    assert named != response_id_for(key, b"sk-b") and named != response_id_for(key)
+    plain = "resp_" + hashlib.sha256(b"bundle-responses\0" + key.encode()).hexdigest()[:48]
+    assert named != plain and len(named) == len(plain)
+    assert response_id_for(None, b"sk-a") != response_id_for(None, b"sk-a")  # random without a key

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -47,13 +48,16 @@ FOLD_IDLE_S = 0.2
 FOLD_BOUND_S = 5.0  # and never reads longer than this
 
 
-def response_id_for(client_key: str | None) -> str:
+def response_id_for(client_key: str | None, secret: bytes = b"") -> str:
     """A new random id, or, for a client's X-Request-Id / Idempotency-Key, the one id derived from
-    it (so a retry on any replica names the same response). Only a holder of the key can
-    derive it, as only they could attach to the generation anyway."""
+    it (so a retry on any replica names the same response). Keyed with `secret` (the deploy's
+    API key, which every replica shares): a key seen in a proxy's log is not enough to compute
+    the id and read, cancel or delete the response. Without an API key the server is open to
+    everyone anyway, and the id is the key's plain hash."""
     if client_key is None:
         return "resp_" + secrets.token_hex(ID_BYTES)
-    return "resp_" + hashlib.sha256(b"bundle-responses\0" + client_key.encode()).hexdigest()[: 2 * ID_BYTES]
+    digest = hmac.new(secret, b"bundle-responses\0" + client_key.encode(), hashlib.sha256).hexdigest()
+    return "resp_" + digest[: 2 * ID_BYTES]
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Responses:
         self.service = service
         self.settings = service.settings
         self.store: ResponseStore = open_store(service.settings)
+        api_key = service.settings.api_key
+        self._id_secret = api_key.get_secret_value().encode() if api_key is not None else b""
         self._keepers: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
@@ -82,7 +88,7 @@ class Responses:
     async def create(self, request: ResponsesRequest, client_key: str | None) -> Created:
         """Start the response's generation (or attach to the one its key already names) and
         store its record; raises the 4xx of bad input before anything is sent."""
-        response_id = response_id_for(client_key)
+        response_id = response_id_for(client_key, self._id_secret)
         if client_key is not None and request.store:
             stored = await self.store.get(response_id)
             if stored is not None:
