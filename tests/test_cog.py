@@ -674,7 +674,22 @@ def _is_engine_core(pid: int, group: int) -> bool:
     return "EngineCore" in name or "EngineCore" in cmdline
 
 
-@pytest.mark.timeout(20)
+async def _two_readers_of_one_generation(engine: ScriptedEngine, request_id: str) -> tuple[Any, Any]:
+    """Two predictions with one request_id on the scripted engine, once it runs the one generation."""
+    service = Service(Settings(), engine)
+    body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
+    first = await bridge.start_generation(service, body, request_id)
+    second = await bridge.start_generation(service, body, request_id)
+    while not engine.running:
+        await asyncio.sleep(0)
+    return first, second
+
+
+async def _step(engine: ScriptedEngine, tokens: int) -> None:
+    engine.step(tokens)
+    await settle(20)
+
+
 class FollowerCancelled(Exception):
     """What the test's `cancelled()` builds (the runner passes Cog's CancelationException)."""
 
@@ -685,25 +700,12 @@ def test_a_cancelled_follower_stops_waiting_at_once() -> None:
     (its slot thread was blocked until then), and must leave the generation to the other."""
     engine = ScriptedEngine()
 
-    async def start_two() -> tuple[Any, Any]:
-        service = Service(Settings(), engine)
-        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
-        first = await bridge.start_generation(service, body, "follower-id")
-        second = await bridge.start_generation(service, body, "follower-id")
-        while not engine.running:
-            await asyncio.sleep(0)
-        return first, second
-
-    async def release(tokens: int) -> None:
-        engine.step(tokens)
-        await settle(20)
-
     with engine_loop() as (loop, on_loop), concurrent.futures.ThreadPoolExecutor(1) as slot:
-        first, second = on_loop(start_two())
+        first, second = on_loop(_two_readers_of_one_generation(engine, "follower-id"))
         signals = bridge.CancelSignal(), bridge.CancelSignal()
         kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
         follower = bridge.stream_text(second, loop, FollowerCancelled, signals[1])
-        on_loop(release(1))
+        on_loop(_step(engine, 1))
         assert next(kept) == next(follower) == "t0 "
         waiting = slot.submit(next, follower)  # no engine step comes: it blocks
         try:
@@ -713,40 +715,28 @@ def test_a_cancelled_follower_stops_waiting_at_once() -> None:
             with pytest.raises(FollowerCancelled):
                 waiting.result(timeout=10)
         finally:
-            on_loop(release(3))  # the generation ends: a wait still blocked returns, the test ends
+            on_loop(_step(engine, 3))  # the generation ends: a wait still blocked returns, the test ends
         assert "".join(kept) == "t1 t2 t3 "
         assert engine.aborted == [] and len(engine.started) == 1
 
 
+@pytest.mark.timeout(20)
 def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_running() -> None:
     """Two predictions that share a `request_id` read one generation; a cancel of one is that
     reader leaving (as on the HTTP path), not an abort of the generation the other still reads.
     The last reader's cancel does abort it."""
     engine = ScriptedEngine()
 
-    async def start_two() -> tuple[Any, Any]:
-        service = Service(Settings(), engine)
-        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
-        first = await bridge.start_generation(service, body, "shared-id")
-        second = await bridge.start_generation(service, body, "shared-id")
-        while not engine.running:
-            await asyncio.sleep(0)
-        return first, second
-
-    async def release(tokens: int) -> None:
-        engine.step(tokens)
-        await settle(20)
-
     with engine_loop() as (loop, on_loop):
-        first, second = on_loop(start_two())
+        first, second = on_loop(_two_readers_of_one_generation(engine, "shared-id"))
         signals = bridge.CancelSignal(), bridge.CancelSignal()
         kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
         cancelled = bridge.stream_text(second, loop, RuntimeError, signals[1])
-        on_loop(release(1))
+        on_loop(_step(engine, 1))
         assert next(kept) == next(cancelled) == "t0 "
         signals[1].fire()
         cancelled.close()
-        on_loop(release(3))
+        on_loop(_step(engine, 3))
         assert "".join(kept) == "t1 t2 t3 "  # the whole answer, not "canceled"
         assert engine.aborted == [] and len(engine.started) == 1
 
@@ -757,7 +747,7 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
 
         alone, its_signal = on_loop(start_one()), bridge.CancelSignal()
         pieces = bridge.stream_text(alone, loop, RuntimeError, its_signal)
-        on_loop(release(1))
+        on_loop(_step(engine, 1))
         assert next(pieces) == "t0 "
         its_signal.fire()
         on_loop(settle(20))
