@@ -70,6 +70,11 @@ class LingeringClose:
     def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
         self._transport = transport
         self._protocol = protocol
+        # Bound once: uvicorn writes each SSE chunk (one per token and stream) through here, and
+        # a plain attribute skips the `__getattr__` call on that path (0.6-0.9 % of the API
+        # process's samples in the profiles of 256 streams).
+        self.write = transport.write
+        self.is_closing = transport.is_closing
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
