@@ -16,7 +16,7 @@
 #        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
 #        -d .whl pydantic-settings==2.11.0 python-dotenv==1.1.1 orjson==3.11.3 py-spy==0.4.1
 #      and the deploy images' HTTP parser (the GPU image has uvloop 0.23.0 but no httptools; without
-#      it uvicorn falls back to h11, as the profile in results/h200/profile/ did). Not uvloop's
+#      it uvicorn falls back to h11, as the profile in results/h200/profile/h11/ did). Not uvloop's
 #      4.5 MB wheel: with it, c07 + .whl + the tree passed the 64 MiB a call carries.
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl httptools==0.9.0
