@@ -581,3 +581,99 @@ async def test_a_stream_whose_request_task_is_cancelled_closes_its_body_and_task
         await serving
     await asyncio.wait_for(closed.wait(), 5)
     assert asyncio.all_tasks() - before == {asyncio.current_task()} - before
+
+
+# --- direct writes (a caught-up reader's events put on its connection by `append`) -------------
+class Connection:
+    """A reader's connection as `write_now` sees it: takes chunks until told it is full."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.full = False
+
+    def write_now(self, chunk: bytes) -> bool:
+        if self.full:
+            return False
+        self.written.append(chunk)
+        return True
+
+
+async def test_a_caught_up_reader_has_its_events_written_by_append_and_nothing_yielded() -> None:
+    buffer = ReplayBuffer(max_events=100, numbered=True)
+    buffer.append(b"opening")
+    connection = Connection()
+    yielded: list[bytes] = []
+
+    async def read() -> None:
+        async for chunk in buffer.follow(0, write_now=connection.write_now):
+            yielded.append(chunk)
+
+    reader = asyncio.create_task(read())
+    await settle()
+    assert yielded == [sse_event(1, b"opening")]  # a backlog still goes the reader's own way
+    for index in range(5):
+        buffer.append(b"%d" % index)  # written in append's own turn: no settle needed
+    assert connection.written == [sse_event(sequence, b"%d" % (sequence - 2)) for sequence in range(2, 7)]
+    buffer.close()
+    await reader
+    assert yielded == [sse_event(1, b"opening")]
+
+
+async def test_a_write_that_cannot_be_made_at_once_wakes_the_reader_from_that_event_on() -> None:
+    """A slow client's connection refuses a direct write: that event and every later one go the
+    reader's own way (the ASGI send, which waits for the client), in order, none twice."""
+    buffer = ReplayBuffer(max_events=100, numbered=True)
+    connection = Connection()
+    yielded: list[bytes] = []
+
+    async def read() -> None:
+        async for chunk in buffer.follow(0, write_now=connection.write_now):
+            yielded.append(chunk)
+            connection.full = False  # the reader's own write went out: the client caught up
+
+    reader = asyncio.create_task(read())
+    await settle()
+    buffer.append(b"a")
+    connection.full = True
+    buffer.append(b"b")
+    buffer.append(b"c")
+    await settle()
+    assert connection.written == [sse_event(1, b"a")]
+    assert yielded == [sse_event(2, b"b") + sse_event(3, b"c")]
+    buffer.append(b"d")  # caught up again: direct once more
+    assert connection.written[-1] == sse_event(4, b"d")
+    buffer.close()
+    await reader
+    every = b"".join(connection.written[:1] + yielded + connection.written[1:])
+    assert event_ids(every) == [1, 2, 3, 4]
+
+
+async def test_a_second_reader_follows_the_usual_way_and_a_cancelled_one_is_written_to_no_more() -> None:
+    buffer = ReplayBuffer(max_events=100, numbered=True)
+    first, second = Connection(), Connection()
+    first_reader = asyncio.create_task(drain(buffer.follow(0, write_now=first.write_now)))
+    await settle()
+    second_reader = asyncio.create_task(drain(buffer.follow(0, write_now=second.write_now)))
+    await settle()
+    buffer.append(b"a")
+    await settle()
+    assert first.written == [sse_event(1, b"a")] and second.written == []  # one direct reader
+    first_reader.cancel()  # its client left
+    await asyncio.gather(first_reader, return_exceptions=True)
+    buffer.append(b"b")
+    assert first.written == [sse_event(1, b"a")]
+    buffer.close()
+    assert event_ids(await second_reader) == [1, 2]
+
+
+async def test_a_paced_or_coalescing_reader_never_takes_direct_writes() -> None:
+    for options in ({"events_per_write": lambda: 2}, {"coalesce_s": 0.001}):
+        buffer = ReplayBuffer(max_events=100, numbered=True)
+        connection = Connection()
+        reader = asyncio.create_task(drain(buffer.follow(0, write_now=connection.write_now, **options)))
+        await settle()
+        for index in range(3):
+            buffer.append(b"%d" % index)
+            await settle()
+        buffer.close()
+        assert event_ids(await reader) == [1, 2, 3] and connection.written == []

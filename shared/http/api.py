@@ -43,6 +43,7 @@ from shared.http.requests import (
 )
 from shared.http.responses import add_routes as add_responses_routes
 from shared.identity.interface import Subscription
+from shared.identity.replay import WriteNow
 from shared.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -183,7 +184,12 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
         return await _whole_response(request, subscription, headers)
     settings = service.settings
     pacing = service.events_per_write if service.pairs_writes else None
-    events = subscription.events(settings.stream_coalesce_ms / 1000, pacing)
+    coalesce_s = settings.stream_coalesce_ms / 1000
+    direct = settings.stream_direct_writes
+
+    def events(write_now: WriteNow | None) -> AsyncIterator[bytes]:
+        return subscription.events(coalesce_s, pacing, write_now if direct else None)
+
     return EventStreamResponse(events, headers={**SSE_HEADERS, **headers})
 
 

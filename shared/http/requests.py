@@ -5,6 +5,7 @@ JSON body under its cap, and stream SSE."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -13,11 +14,15 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from shared.http.direct_write import direct_write
+from shared.identity.replay import WriteNow
 from shared.service import Service
 from shared.settings import Settings
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SERVER_SEND_KEY = "bundle.server_send"  # the server's own ASGI send, in the scope (api.BundleApp)
+# A stream's chunks, opened once the connection's direct write (or None) is known.
+OpenEvents = Callable[[WriteNow | None], AsyncIterator[bytes]]
 
 
 def service_of(request: Request) -> Service:
@@ -72,13 +77,27 @@ class EventStreamResponse(StreamingResponse):
     Its body chunks (one per token and stream, the hottest path of the server) go to the
     server's own `send` (`BundleApp` keeps it in the scope), past the send wrappers of
     Starlette's and FastAPI's error handling: those only watch for `http.response.start`, which
-    still goes through them, and pass every body message on unchanged.
+    still goes through them, and pass every body message on unchanged. Given `OpenEvents`
+    instead of the chunks, it opens them with that server's direct write (direct_write.py),
+    so that most chunks skip even that `send`.
     """
 
     media_type = "text/event-stream"
 
+    def __init__(
+        self, events: AsyncIterator[bytes] | OpenEvents, headers: Mapping[str, str] | None = None
+    ) -> None:
+        # Not StreamingResponse's own: the body may only be opened in __call__, where the
+        # server's send is known. The rest of what it sets, set here.
+        self._events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_send: Send = scope.get(SERVER_SEND_KEY, send)
+        events = self._events
+        self.body_iterator = events(direct_write(body_send)) if callable(events) else events
         streamer = asyncio.create_task(self._stream_quietly(send, body_send))
         listener = asyncio.create_task(self.listen_for_disconnect(receive))
         try:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.errors import NotFound
-from shared.identity.replay import EventsPerWrite
+from shared.identity.replay import EventsPerWrite, WriteNow
 from shared.streaming import Usage
 
 if TYPE_CHECKING:
@@ -47,9 +47,14 @@ class Subscription(Protocol):
         ...
 
     def events(
-        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]:
-        """SSE bytes after the resume point until [DONE] (a streaming request)."""
+        """SSE bytes after the resume point until [DONE] (a streaming request); those that
+        `write_now` (the connection's direct write, where the server has one) took are not
+        yielded."""
         ...
 
     def text(self) -> AsyncIterator[str]:

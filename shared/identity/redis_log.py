@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, StoreUnavailable
-from shared.identity.replay import EventsPerWrite, ReplayBuffer
+from shared.identity.replay import EventsPerWrite, ReplayBuffer, WriteNow
 from shared.identity.store import (
     BODY,
     CHECK_EVERY_S,
@@ -168,9 +168,13 @@ class SharedLog:
         self._local.check_resumable(last_event_id)
 
     def follow(
-        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        last_event_id: int,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]:
-        return self._local.follow(last_event_id, coalesce_s, events_per_write)
+        return self._local.follow(last_event_id, coalesce_s, events_per_write, write_now)
 
     def held_events(self) -> int:
         return self._local.held_events()
@@ -212,10 +216,14 @@ class RemoteSubscription:
             return
 
     async def events(
-        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]:
         """SSE bytes after the resume point until [DONE]; an error event if that cannot be.
-        The store hands events over in reads of their own, so `events_per_write` is not used."""
+        The store hands events over in reads of their own, so neither `events_per_write` nor
+        `write_now` is used."""
         self._metrics.stream_started()
         cursor = self._after
         try:

@@ -24,7 +24,7 @@ from typing import Any
 
 from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded, abort_error
 from shared.identity.generation import GenerationOutput
-from shared.identity.replay import EventsPerWrite
+from shared.identity.replay import EventsPerWrite, WriteNow
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
 from shared.streaming import Usage
@@ -77,12 +77,17 @@ class LocalSubscription:
         await self._entry.output.admission()
 
     async def events(
-        self, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]:
-        """SSE bytes after the resume point, live until the end; closes the subscription after."""
+        """SSE bytes after the resume point, live until the end; closes the subscription after.
+        Chunks that `write_now` put on the connection itself are not yielded (replay.py)."""
         self._metrics.stream_started()
+        follow = self._entry.output.events.follow
         try:
-            async for chunk in self._entry.output.events.follow(self._after, coalesce_s, events_per_write):
+            async for chunk in follow(self._after, coalesce_s, events_per_write, write_now):
                 yield chunk
         finally:
             # Runs on normal end, on disconnect (cancellation) and on send failures alike.

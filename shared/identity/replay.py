@@ -12,6 +12,14 @@ coalesces tokens under load for free. Under heavy load a reader may also ask to 
 once several new events exist (`events_per_write`): fewer wake-ups and socket writes per token
 on the event loop that also takes the engine's outputs in, the events themselves unchanged.
 
+A caught-up reader whose server can write a chunk at once (`write_now`, shared/http/direct_write.py)
+hands that write to the buffer and sleeps: `append` then puts each new event on the reader's
+connection itself, in the producer's turn of the event loop, instead of waking the reader's task
+for it (one turn per token and stream instead of two, and no trip through three async
+generators). The first write that cannot be made at once (the client reads slowly), a second
+reader's wish to be paced, or the end wakes the reader, which goes on from the first event not
+written, the way any reader does.
+
 `EventLog` is the seam: this in-process buffer is one implementation, and a shared store (events
 of a generation readable from another replica) can be another, behind the same methods.
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from shared.errors import EventsGone, InvalidRequest
@@ -27,6 +36,8 @@ from shared.streaming import error_frames, sse_data, sse_event
 
 # How many new events a caught-up reader waits for before its next write (see `follow`).
 EventsPerWrite = Callable[[], int]
+# Writes one chunk to the reader's connection now and says True, or writes nothing and says False.
+WriteNow = Callable[[bytes], bool]
 
 # Events every stream gets the moment they exist, whatever the load: a chat stream's role
 # opening and its first token, a completion's first two tokens. Time to first token is never
@@ -46,7 +57,11 @@ class EventLog(Protocol):
     def check_resumable(self, last_event_id: int) -> None: ...
 
     def follow(
-        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        last_event_id: int,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]: ...
 
     def held_events(self) -> int: ...
@@ -92,10 +107,14 @@ class ReplayBuffer:
         # The sequence number whose append wakes the waiting readers (the earliest any of them
         # asked for); None: every append does.
         self._wake_at: int | None = None
+        self._sink: _Sink | None = None  # the one reader `append` writes to directly, if any
 
     # --- the writer -----------------------------------------------------------------------------
     def append(self, data: bytes) -> None:
-        self.events.append(sse_event(self.next_sequence, data) if self.numbered else sse_data(data))
+        event = sse_event(self.next_sequence, data) if self.numbered else sse_data(data)
+        self.events.append(event)
+        if self._sink is not None:
+            self._write_to_sink(self._sink, event)
         self.next_sequence += 1
         overflow = len(self.events) - self.max_events
         if overflow > 0:
@@ -110,7 +129,24 @@ class ReplayBuffer:
     def close(self) -> None:
         self.closed = True
         self._wake_at = None
+        self._release_sink()
         self.changed.notify()
+
+    def _write_to_sink(self, sink: _Sink, event: bytes) -> None:
+        if sink.cursor == self.next_sequence:
+            try:
+                written = sink.write_now(event)
+            except Exception:  # the reader's own path will meet (and report) the same failure
+                written = False
+            if written:
+                sink.cursor += 1
+                return
+        self._release_sink()
+
+    def _release_sink(self) -> None:
+        sink, self._sink = self._sink, None
+        if sink is not None and not sink.woken.done():
+            sink.woken.set_result(None)
 
     # --- readers --------------------------------------------------------------------------------
     def check_resumable(self, last_event_id: int) -> None:
@@ -129,12 +165,18 @@ class ReplayBuffer:
             )
 
     async def follow(
-        self, last_event_id: int, coalesce_s: float = 0.0, events_per_write: EventsPerWrite | None = None
+        self,
+        last_event_id: int,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
     ) -> AsyncIterator[bytes]:
         """Yield every event after `last_event_id`, then live ones until the stream ends.
 
         `events_per_write()`, asked before each wait once the stream's first events are out:
-        how many new events to wait for (the end of the stream always wakes the reader)."""
+        how many new events to wait for (the end of the stream always wakes the reader).
+        `write_now`: this reader's connection takes chunks directly (module docstring); used
+        while the reader is caught up, unpaced and the only one doing so."""
         cursor = last_event_id + 1
         while True:
             if cursor < self.first_sequence:
@@ -148,10 +190,25 @@ class ReplayBuffer:
                 continue
             if self.closed:
                 return
+            if write_now is not None and self._sink is None and not coalesce_s and events_per_write is None:
+                cursor = await self._written_directly(write_now, cursor)
+                continue
             self._wake_when_held(cursor + _events_to_wait_for(cursor, events_per_write) - 1)
             await self.changed.wait()
             if coalesce_s:
                 await asyncio.sleep(coalesce_s)
+
+    async def _written_directly(self, write_now: WriteNow, cursor: int) -> int:
+        """Sleep while `append` writes each new event straight to this reader's connection;
+        return the sequence number of the first event it did not write."""
+        sink = _Sink(write_now, cursor, asyncio.get_running_loop().create_future())
+        self._sink = sink
+        try:
+            await sink.woken
+        finally:  # also when the reader is cancelled (its client left): stop writing to it
+            if self._sink is sink:
+                self._sink = None
+        return sink.cursor
 
     def held_events(self) -> int:
         return len(self.events)
@@ -160,6 +217,16 @@ class ReplayBuffer:
         # Every waiting reader is caught up, so they differ only in how many events they want;
         # the earliest wins (a reader woken early just writes what there is).
         self._wake_at = sequence if self._wake_at is None else min(self._wake_at, sequence)
+
+
+@dataclass(slots=True)
+class _Sink:
+    """A sleeping reader that `append` writes to: its write, the next event it has not got, and
+    the future that wakes it."""
+
+    write_now: WriteNow
+    cursor: int
+    woken: asyncio.Future[None]
 
 
 def _events_to_wait_for(cursor: int, events_per_write: EventsPerWrite | None) -> int:

@@ -1,0 +1,54 @@
+"""A body chunk written onto the connection at once, from whichever task made it.
+
+Streaming through ASGI costs each token of each stream two turns of the one event loop: the
+generation's task appends the event, then the response's task wakes to hand it to the server's
+`send`. At 256 streams that loop is the API process's bottleneck (docs/performance.md), and
+first tokens wait in it behind everyone's later ones. With a direct write the event log puts a
+caught-up stream's events on its connection in the producer's own turn (shared/identity/replay.py).
+
+Only where it is exactly what the server itself would do: uvicorn's httptools protocol (the deploy
+images' HTTP stack), a response whose head is out with chunked transfer encoding and not yet
+complete, the client connected and the transport not asking for back-pressure. `write_now` then
+frames the chunk as uvicorn's `send` frames a body message with more to come and writes it to the
+transport, and says True; in any other state it writes nothing and says False, and the chunk goes
+through `send` as usual (which waits for a slow client). Any other server (h11, Modal's ASGI
+runner, test clients) gets no direct write at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.types import Send
+
+from shared.identity.replay import WriteNow
+
+# Where uvicorn keeps one request's response state; checked by name, so that nothing is imported
+# from a protocol module this server may not be running.
+_UVICORN_HTTPTOOLS_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
+
+
+def direct_write(send: Send) -> WriteNow | None:
+    """The direct write for the connection behind `send` (the server's own ASGI send, not a
+    middleware's wrapper), or None where the server offers none we can use safely."""
+    cycle = getattr(send, "__self__", None)
+    kind = type(cycle)
+    if (kind.__module__, kind.__name__) != _UVICORN_HTTPTOOLS_CYCLE:
+        return None
+    return _chunk_writer(cycle)
+
+
+def _chunk_writer(cycle: Any) -> WriteNow:
+    def write_now(chunk: bytes) -> bool:
+        if (
+            cycle.disconnected
+            or cycle.flow.write_paused
+            or not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        return True
+
+    return write_now
