@@ -258,7 +258,7 @@ class VLLMEngine:
             raise
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
-        except (ValueError, *_vllm_client_errors()) as exc:  # vLLM's own validation of the request
+        except _request_errors() as exc:  # vLLM's own validation of the request
             raise InvalidRequest(str(exc)) from exc
         except Exception as exc:
             if self._llm.errored:
@@ -489,6 +489,9 @@ def _sampling_params(request: SamplingRequest) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # Only when set: vLLM 0.26 (the H200 build) takes no per-request `stream_interval`.
+    interval = request.stream_interval
+    pacing: dict[str, Any] = {} if interval is None else {"stream_interval": interval}
     return SamplingParams(
         n=request.n,
         max_tokens=request.max_tokens,
@@ -511,7 +514,7 @@ def _sampling_params(request: SamplingRequest) -> Any:
         structured_outputs=_structured_outputs(request.constraint),
         # Deltas, not cumulative text: O(1) work per token instead of O(n).
         output_kind=RequestOutputKind.DELTA,
-        **({"stream_interval": request.stream_interval} if request.stream_interval is not None else {}),
+        **pacing,
     )
 
 
@@ -523,6 +526,11 @@ def _vllm_client_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return ()
     return (VLLMClientError,)
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses while generating: ValueError, or its own."""
+    return (ValueError, *_vllm_client_errors())
 
 
 def takes_request_stream_interval() -> bool:
