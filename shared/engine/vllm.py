@@ -25,7 +25,7 @@ from shared.engine.tiny_model import ensure_model
 from shared.engine.tools import ToolCallShaper
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.obs.engine_outputs import time_engine_outputs
-from shared.settings import Settings
+from shared.settings import Dtype, Settings
 
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
@@ -679,7 +679,7 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
-def _dtype(settings: Settings) -> str:
+def _dtype(settings: Settings) -> Dtype:
     # vLLM's "auto" turns a float32 checkpoint into bf16; the tiny model stays float32, the
     # one dtype that also survives under Cog's worker on this CPU (see cog/predict.py).
     if settings.dtype == "auto" and settings.uses_tiny_model and settings.tiny_model_shape == "tiny":
