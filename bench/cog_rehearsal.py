@@ -151,7 +151,8 @@ def wait_setup(
     url: str, process: subprocess.Popen[bytes], timeout_s: float
 ) -> tuple[str, float, dict[str, Any]]:
     """(READY | SETUP_FAILED | exited N | timeout, seconds, coglet's last answer)."""
-    started, answer = time.monotonic(), {}
+    started = time.monotonic()
+    answer: dict[str, Any] = {}
     while time.monotonic() - started < timeout_s:
         if process.poll() is not None:
             return f"exited {process.returncode}", time.monotonic() - started, answer
@@ -340,8 +341,8 @@ def _count(log: Path, text: str) -> int:
 
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("concurrency", "slots", "rounds", "rate", "open_seconds", "prompt_tokens", "output_tokens", "seed")
-    keys += ("retry_409_ms",)
+    keys: tuple[str, ...] = ("concurrency", "slots", "rounds", "rate", "open_seconds", "prompt_tokens")
+    keys += ("output_tokens", "seed", "retry_409_ms")
     # Both servers inherit it (coglet passes its environment to its worker): e.g. "spawn" to
     # compare against the default fork.
     method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "vLLM's default")

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
 def build_adapters(settings: Settings, into: Path, count: int, rank: int) -> list[str]:
     """`count` random adapters for the served model's shape, in its dtype (bf16 on the H200)."""
     config = model_config(Path(resolve_model_path(settings)))
-    dtype = "bfloat16" if settings.dtype in ("bfloat16", "bf16") else "float32"
+    dtype = "bfloat16" if settings.dtype == "bfloat16" else "float32"  # ("bf16" is no vLLM dtype)
     names = [f"lora-{index}" for index in range(count)]
     for seed, name in enumerate(names, start=1):
         # q/k/v/o: the attention projections fine-tunes usually adapt, all four in the batch's work

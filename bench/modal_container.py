@@ -28,7 +28,10 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from modal._runtime.container_io_manager import ContainerIOManager
 
 # Modal's calls into its task lifecycle manager's `handle_task_lifecycle_exception`, in the order
 # `function_execution_context` makes them (1.6.4): the snapshot falls between the first two.
@@ -138,18 +141,21 @@ def run_container(modal_cls: Any, recorder: ContainerRecorder, *, snapshots: boo
     saved = os.environ.get("MODAL_ENABLE_SNAP_RESTORE")
     os.environ["MODAL_ENABLE_SNAP_RESTORE"] = "1" if snapshots else "0"
     # A task lifecycle manager existing is what makes `modal.is_local()` false in a container.
-    _TaskLifecycleManager("ta-rehearsal", "fu-rehearsal", definition, None, None)
+    # Built for that alone, with no client (offline): nothing here lets it call Modal's servers.
+    _TaskLifecycleManager("ta-rehearsal", "fu-rehearsal", definition, None, None)  # type: ignore[arg-type]
     try:
         partials = _cls._get_partial_functions()
         service = ImportedClass(
             user_cls_instance=get_user_class_instance(_cls, (), {}),
-            app=None,
+            app=None,  # type: ignore[arg-type]  # no deployed App: the hooks and the ASGI app never ask
             service_deps=None,
             _partial_functions=partials,
             function_def=definition,
         )
         with UserCodeEventLoop() as loop:
-            with service.function_execution_context(loop, recorder) as finalized:
+            # The recorder stands in for the ContainerIOManager (its class docstring says which parts).
+            io_manager = cast("ContainerIOManager", recorder)
+            with service.function_execution_context(loop, io_manager) as finalized:
                 apps = [f.lifespan_manager.asgi_app for f in finalized.values() if f.lifespan_manager]
                 if len(apps) != 1:
                     raise RuntimeError(f"expected one @modal.asgi_app method, found {len(apps)}")

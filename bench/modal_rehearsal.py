@@ -407,7 +407,7 @@ def main(argv: list[str]) -> int:
 def write(out: Path, key: str, run: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "modal.json"
-    report = json.loads(path.read_text()) if path.exists() else {"schema": SCHEMA, "runs": {}}
+    report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"schema": SCHEMA, "runs": {}}
     report["created"] = datetime.now(UTC).isoformat(timespec="seconds")
     report["runs"][key] = run
     path.write_text(json.dumps(report, indent=2) + "\n")

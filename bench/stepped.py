@@ -30,7 +30,10 @@ import orjson
 from bench.levels import Meters
 from bench.servers import free_port, process_cpu_s, running_server
 from bench.workload import Workload
+from shared.engine.lora import Adapter
+from shared.engine.structured import OutputConstraint
 from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
+from shared.errors import InvalidRequest
 
 BASELINE = "baseline"
 
@@ -53,6 +56,10 @@ class SteppedEngine:
 
     def tool_parser(self, tools: Sequence[dict[str, Any]]) -> Any:
         raise NotImplementedError("the stepped engine serves no tools")
+
+    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
+        # Its " tok" tokens follow no schema: a constrained request is the client's 400.
+        raise InvalidRequest(f"{param}: the stepped engine enforces no output format", param=param)
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         if self._stepper is None:
@@ -92,6 +99,12 @@ class SteppedEngine:
 
     async def wake_up(self) -> None:
         return None
+
+    async def add_adapter(self, adapter: Adapter) -> None:
+        raise InvalidRequest(f"the stepped engine serves no LoRA adapters ({adapter.name!r})")
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        return None  # none is ever added
 
 
 def serve(port: int, step_s: float) -> int:

@@ -23,6 +23,7 @@ import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -87,7 +88,7 @@ def send_core_logs_to_stderr(level: str | None = None) -> None:
     logger.setLevel((level or Settings().log_level).upper())
 
 
-def runner_settings(weights: str | None, base: Settings | None = None) -> Settings:
+def runner_settings(weights: Path | str | None, base: Settings | None = None) -> Settings:
     """The bundle's settings for the Cog runner; the model taken from Cog's weights if given.
 
     Cog hands `setup()` the value of `COG_WEIGHTS`: on Replicate usually the URL of a `.tar` of
@@ -233,7 +234,9 @@ def _messages(prompt: str, system_prompt: str) -> list[dict[str, str]]:
     return messages
 
 
-async def with_adapter(service: Service, body: ChatCompletionRequest, lora: str) -> ChatCompletionRequest:
+async def with_adapter(
+    service: Service, body: ChatCompletionRequest | CompletionRequest, lora: str
+) -> ChatCompletionRequest | CompletionRequest:
     """`body` run on the LoRA adapter Cog's `lora` input names (a URL of a tar, a Hugging Face
     id, a local path, or the name of a start-time adapter), loaded into the engine the first time
     this container sees it (shared/engine/lora.py, `Adapters.ensure`); empty: the base model."""

@@ -59,7 +59,8 @@ child_output.give_forked_children_plain_streams(under_coglet=coglet.server.activ
 
 
 class Runner(BaseRunner):
-    async def setup(self, weights: str | None = None) -> None:
+    # Coglet awaits an async setup; the SDK's BaseRunner declares only the sync form.
+    async def setup(self, weights: Path | str | None = None) -> None:  # type: ignore[override]
         # Runs on coglet's shared loop, so the engine's output handler does too. A failure here
         # propagates: coglet reports SETUP_FAILED and never serves a prediction.
         # COG_WEIGHTS may be a URL of a .tar to download and unpack (minutes for a real model):

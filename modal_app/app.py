@@ -132,7 +132,7 @@ def _secrets(settings: Settings, modal_settings: ModalSettings) -> list[modal.Se
     if they are only set locally, one made from them at deploy."""
     if modal_settings.secret_name:
         return [modal.Secret.from_name(modal_settings.secret_name)]
-    secret = {
+    secret: dict[str, str | None] = {  # as `Secret.from_dict` types it (None: key left out)
         name: value.get_secret_value()
         for name, value in (("BUNDLE_API_KEY", settings.api_key), ("BUNDLE_REDIS_URL", settings.redis_url))
         if value is not None

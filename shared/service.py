@@ -463,9 +463,9 @@ def _constraint(body: OpenAIRequest, engine: Engine) -> OutputConstraint | None:
     if body.uses_tools:
         check_tool_schemas(body.tools or [])
         if body.forced_tool_call:
-            constraint = forced_constraint(body.tools or [], body.tool_choice, body.parallel_tool_calls)
-            engine.check_constraint(constraint, "tools")
-            return constraint
+            forced = forced_constraint(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+            engine.check_constraint(forced, "tools")
+            return forced
     constraint = response_constraint(body.response_format)
     if constraint is not None:
         engine.check_constraint(constraint, "response_format")

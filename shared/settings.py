@@ -35,6 +35,9 @@ from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/engine/tiny_model.py
+# The dtypes vLLM's engine takes (its `ModelDType`): a typo is refused when the settings load,
+# not minutes later when the engine starts.
+Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 
 def _default_cache_dir() -> Path:
@@ -82,7 +85,7 @@ class Engine(Section):
         None,
         description="Named engine knobs (shared/engine/presets.py); an engine field set explicitly wins.",
     )
-    dtype: str = Field(
+    dtype: Dtype = Field(
         "auto",
         description="vLLM's weight and compute dtype. 'auto': the checkpoint's, but float32 for the "
         "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine/vllm.py).",

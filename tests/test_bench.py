@@ -11,6 +11,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 import uvicorn
@@ -488,6 +489,25 @@ def test_stepped_engine_hands_out_tokens_as_vllms_stream_interval_does() -> None
 
     assert asyncio.run(counts(None)) == [1] * 6
     assert asyncio.run(counts(2)) == [1, 2, 2, 1]  # the first and the last at once
+
+
+async def test_stepped_engine_refuses_a_constrained_request_as_the_clients_400() -> None:
+    """The stepped engine is a whole `Engine`: an output format it cannot follow is refused at
+    admission (it lacked `check_constraint`, so this was an AttributeError, a 500)."""
+    from bench.stepped import SteppedEngine
+
+    app = create_app(Settings(warm_up=False), engine=SteppedEngine(step_s=0.001))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    schema = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as http:
+            refused = await http.post("/v1/chat/completions", json={**body, "response_format": schema})
+            served = await http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "response_format"
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["message"]["content"] == " tok tok"
 
 
 def test_stepped_benchmark_measures_the_serving_layers_cpu_per_token_both_ways(tmp_path: Path) -> None:

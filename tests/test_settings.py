@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import BaseSettings
 
 from modal_app.settings import ModalSettings
@@ -132,6 +132,15 @@ def test_sections_read_their_variables_and_validators(monkeypatch: pytest.Monkey
     assert (settings.keep_alive_s, settings.retry_after_s, settings.redis_url) == (7, 3, None)
     assert (settings.redis_write_window_ms, settings.stream_coalesce_ms) == (4.0, 1.5)
     assert settings.engine_stats_interval_s == 0.5
+
+
+def test_a_dtype_vllm_does_not_take_is_refused_when_the_settings_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Typed `str` before, "bf16" passed here and failed only in vLLM's engine start-up.
+    monkeypatch.setenv("BUNDLE_DTYPE", "bf16")
+    with pytest.raises(ValidationError, match="dtype"):
+        Settings()
+    monkeypatch.setenv("BUNDLE_DTYPE", "bfloat16")
+    assert Settings().dtype == "bfloat16"
 
 
 def test_deploy_env_rebuilds_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:

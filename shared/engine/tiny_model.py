@@ -18,6 +18,10 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy: imported for real inside the functions that build
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 BUILDER_VERSION = 3  # bump when the output changes, so caches rebuild
 
@@ -110,7 +114,7 @@ def _corpus() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _wrap(tokenizer_object: object) -> object:
+def _wrap(tokenizer_object: object) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -123,7 +127,7 @@ def _wrap(tokenizer_object: object) -> object:
     )
 
 
-def _train_bpe_tokenizer(vocab_size: int) -> object:
+def _train_bpe_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -139,7 +143,7 @@ def _train_bpe_tokenizer(vocab_size: int) -> object:
     return _wrap(tokenizer)
 
 
-def _wordlevel_tokenizer(vocab_size: int) -> object:
+def _wordlevel_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A vocabulary covering every id: random weights may sample any of them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -152,31 +156,36 @@ def _wordlevel_tokenizer(vocab_size: int) -> object:
     return _wrap(tokenizer)
 
 
-def _llama_config(shape: ModelShape, tokenizer: object) -> object:
+def _llama_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     from transformers import LlamaConfig
 
     fields = asdict(shape)
     dtype = fields.pop("torch_dtype")
     return LlamaConfig(
         **fields,
-        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
-        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype=dtype,
+        # transformers 5 names it `dtype` and no longer declares `torch_dtype`, but still takes it
+        # (and writes `dtype`); `torch_dtype` is the one spelling every supported release
+        # (>=4.45) reads, and the GPU image's transformers need not be 5.
+        torch_dtype=dtype,  # type: ignore[call-arg]
     )
 
 
-def _write_config(out: Path, shape: ModelShape, tokenizer: object) -> None:
+def _write_config(out: Path, shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> None:
     config = _llama_config(shape, tokenizer)
-    config.save_pretrained(out)  # type: ignore[attr-defined]
+    config.save_pretrained(out)
     generation = {"bos_token_id": 1, "eos_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(generation))
 
 
-def _write_weights(out: Path, shape: ModelShape, tokenizer: object, seed: int) -> None:
+def _write_weights(out: Path, shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_llama_config(shape, tokenizer)).to(torch.float32)
+    # transformers decorates `to` with functools.wraps(torch.nn.Module.to), which mypy reads as
+    # the unbound function (the dtype taken for `self`).
+    model = LlamaForCausalLM(_llama_config(shape, tokenizer)).to(torch.float32)  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)

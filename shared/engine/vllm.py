@@ -25,7 +25,7 @@ from shared.engine.tiny_model import ensure_model
 from shared.engine.tools import ToolCallShaper
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.obs.engine_outputs import time_engine_outputs
-from shared.settings import Settings
+from shared.settings import Dtype, Settings
 
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
@@ -258,7 +258,7 @@ class VLLMEngine:
             raise
         except EngineDeadError as exc:
             raise EngineUnavailable("the engine died during generation") from exc
-        except (ValueError, *_vllm_client_errors()) as exc:  # vLLM's own validation of the request
+        except _request_errors() as exc:  # vLLM's own validation of the request
             raise InvalidRequest(str(exc)) from exc
         except Exception as exc:
             if self._llm.errored:
@@ -489,6 +489,9 @@ def _sampling_params(request: SamplingRequest) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # Only when set: vLLM 0.26 (the H200 build) takes no per-request `stream_interval`.
+    interval = request.stream_interval
+    pacing: dict[str, Any] = {} if interval is None else {"stream_interval": interval}
     return SamplingParams(
         n=request.n,
         max_tokens=request.max_tokens,
@@ -511,7 +514,7 @@ def _sampling_params(request: SamplingRequest) -> Any:
         structured_outputs=_structured_outputs(request.constraint),
         # Deltas, not cumulative text: O(1) work per token instead of O(n).
         output_kind=RequestOutputKind.DELTA,
-        **({"stream_interval": request.stream_interval} if request.stream_interval is not None else {}),
+        **pacing,
     )
 
 
@@ -523,6 +526,11 @@ def _vllm_client_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return ()
     return (VLLMClientError,)
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses while generating: ValueError, or its own."""
+    return (ValueError, *_vllm_client_errors())
 
 
 def takes_request_stream_interval() -> bool:
@@ -671,7 +679,7 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
-def _dtype(settings: Settings) -> str:
+def _dtype(settings: Settings) -> Dtype:
     # vLLM's "auto" turns a float32 checkpoint into bf16; the tiny model stays float32, the
     # one dtype that also survives under Cog's worker on this CPU (see cog/predict.py).
     if settings.dtype == "auto" and settings.uses_tiny_model and settings.tiny_model_shape == "tiny":

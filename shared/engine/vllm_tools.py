@@ -10,10 +10,13 @@ The deltas then always join to the whole-text result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.engine.tools import ToolDelta, call_more, call_start
 from shared.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from vllm.tool_parsers.utils import Tool
 
 
 class VLLMToolParser:
@@ -30,7 +33,10 @@ class VLLMToolParser:
         self._request = ChatCompletionRequest.model_validate(
             {"model": model, "messages": [{"role": "user", "content": ""}], "tools": list(tools)}
         )
-        self._parser = parser_class(tokenizer, self._request.tools)
+        # A list of vLLM's wider `Tool` union: lists are invariant, so the request's own list of
+        # chat tools does not pass as one, though every item is a `Tool`.
+        tools_param: list[Tool] | None = None if self._request.tools is None else list(self._request.tools)
+        self._parser = parser_class(tokenizer, tools_param)
         self._text = ""
         self._ids: list[int] = []
         self._streamed: dict[int, str] = {}  # call index -> arguments sent so far

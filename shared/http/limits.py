@@ -30,12 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared.errors import BundleError, HeadersTooLarge, RequestTimeout, RequestTooLarge
 from shared.http.headers import stamp_arrival
 from shared.settings import Settings
 from shared.streaming import error_data
+
+if TYPE_CHECKING:
+    from starlette.types import Scope
 
 _REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large"}
 
@@ -174,7 +177,9 @@ def bounded_httptools_protocol(
             if self.lingering:
                 return
             super().on_message_begin()
-            stamp_arrival(self.scope)  # before the loop queues its task: admission counts from here
+            # before the loop queues its task: admission counts from here. (uvicorn types its scope
+            # as a TypedDict of the ASGI keys; it is a plain dict, and ASGI allows extension keys.)
+            stamp_arrival(cast("Scope", self.scope))
             self._head_open = True
             self._arm_head_timer()
 

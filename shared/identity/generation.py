@@ -74,9 +74,9 @@ class GenerationOutput:
             for opening in self.choices.openings(self.encoder):
                 self.emit(opening)
             return
-        opening = self.encoder.opening()
-        if opening is not None:
-            self.emit(opening)
+        first = self.encoder.opening()
+        if first is not None:
+            self.emit(first)
 
     def on_delta(self, delta: EngineDelta) -> None:
         self.usage.completion_tokens += delta.token_count

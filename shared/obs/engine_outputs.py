@@ -63,7 +63,7 @@ def time_engine_outputs(llm: Any) -> OutputTimings:
     timings = OutputTimings()
     client = getattr(llm, "engine_core", None)
     fetch: Callable[[], Awaitable[Any]] | None = getattr(client, "get_output_async", None)
-    if fetch is None:
+    if client is None or fetch is None:
         return timings
 
     async def fetch_timed() -> Any:

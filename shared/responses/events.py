@@ -117,7 +117,7 @@ class ResponseFolder:
         events: list[Event] = []
         if self._message is None:
             index = len(self.response["output"])
-            item = {
+            item: dict[str, Any] = {
                 "id": f"msg_{index}_{self._suffix}",
                 "type": "message",
                 "status": "in_progress",

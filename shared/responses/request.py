@@ -161,7 +161,8 @@ def _check_item(index: int, item: Any) -> None:
         )
     if kind not in ("message", "function_call", "function_call_output"):
         raise _unsupported(f"input.{index}.type", f"input items of type {kind!r} are not supported")
-    for part_index, part in enumerate(item.get("content") if isinstance(item.get("content"), list) else []):
+    content = item.get("content")
+    for part_index, part in enumerate(content if isinstance(content, list) else []):
         part_kind = part.get("type") if isinstance(part, dict) else None
         if part_kind in UNSUPPORTED_PARTS:
             raise _unsupported(
@@ -276,7 +277,7 @@ def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
 def _response_format(fmt: TextFormat) -> dict[str, Any]:
     if fmt.type != "json_schema":
         return {"type": fmt.type}
-    schema = {"name": fmt.name, "schema": fmt.schema_}
+    schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
     if fmt.description is not None:
         schema["description"] = fmt.description
     if fmt.strict is not None:
