@@ -342,11 +342,13 @@ class Streaming(Section):
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
     stream_direct_writes: bool = Field(
-        True,
+        False,
         description="Write a caught-up stream's SSE events onto its connection from the "
         "generation's own task when uvicorn's httptools protocol serves it (the deploy images' "
-        "stack) and the client keeps up: one event-loop turn per token and stream instead of two. "
-        "The bytes on the wire are the same; off: every event through ASGI's send.",
+        "stack) and the client keeps up: one event-loop turn per token and stream instead of two, "
+        "the bytes on the wire the same. Off by default until measured on a GPU: on 2 CPU cores "
+        "it cut the server's CPU per token while clients saw events ~1 ms later "
+        "(docs/performance.md, Direct writes).",
     )
     stream_batch_at: int | None = Field(
         None,

@@ -93,3 +93,39 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
     assert tokens_per_chunk[0] == 1 and sum(tokens_per_chunk) == 9, tokens_per_chunk
     assert all(count % 2 == 0 for count in tokens_per_chunk[1:]), tokens_per_chunk
     assert "".join(choice["text"] for choice in choices) == whole
+
+
+def test_direct_writes_carry_every_event_in_order_and_a_resume_gets_the_same_tail(
+    live: LiveServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BUNDLE_STREAM_DIRECT_WRITES through uvicorn's httptools protocol on the real engine: the
+    event log writes a caught-up stream's events onto its connection itself (counted here), and a
+    client sees what the ASGI path sends: every event, numbered in order, the same text as the
+    whole answer, and a resume from event 3 gets exactly the tail."""
+    from shared.identity.replay import ReplayBuffer
+
+    written = []
+    write_to_sink = ReplayBuffer._write_to_sink
+
+    def counting(self: ReplayBuffer, sink: Any, event: bytes) -> None:
+        written.append(event)
+        write_to_sink(self, sink, event)
+
+    monkeypatch.setattr(ReplayBuffer, "_write_to_sink", counting)
+    url, _ = live.serve(stream_direct_writes=True)
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 12, "ignore_eos": True, "temperature": 0.0}
+    headers = {"X-Request-Id": "direct-writes-1", "Accept": "text/event-stream"}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        streamed = client.post("/v1/completions", json={**body, "stream": True}, headers=headers)
+        resumed = client.post(
+            "/v1/completions", json={**body, "stream": True}, headers={**headers, "Last-Event-ID": "3"}
+        )
+    assert streamed.status_code == resumed.status_code == 200
+    assert written, "no event took the direct write"
+    events = [block for block in streamed.content.split(b"\n\n") if block]
+    ids = [int(block.split(b"\n")[0][4:]) for block in events]
+    assert ids == list(range(1, len(events) + 1)) and events[-1].endswith(b"data: [DONE]")
+    texts = [orjson.loads(block.split(b"\n")[1][6:])["choices"][0]["text"] for block in events[:-1]]
+    assert "".join(texts) == whole
+    assert resumed.content == b"".join(block + b"\n\n" for block in events[3:])
