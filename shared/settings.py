@@ -342,13 +342,12 @@ class Streaming(Section):
         "(0: write as soon as events exist; a slow reader still gets a backlog in one write).",
     )
     stream_direct_writes: bool = Field(
-        False,
+        True,
         description="Write a caught-up stream's SSE events onto its connection from the "
-        "generation's own task when uvicorn's httptools protocol serves it (the deploy images' "
-        "stack) and the client keeps up: one event-loop turn per token and stream instead of two, "
-        "the bytes on the wire the same. Off by default until measured on a GPU: on 2 CPU cores "
-        "it cut the server's CPU per token while clients saw events ~1 ms later "
-        "(docs/performance.md, Direct writes).",
+        "generation's own task, all of one event-loop turn together, when uvicorn's httptools "
+        "protocol serves it (the deploy images' stack) and the client keeps up, instead of waking "
+        "the response's task per token. The bytes on the wire are the same; off: every event "
+        "through ASGI's send (docs/performance.md, Direct writes).",
     )
     stream_batch_at: int | None = Field(
         None,

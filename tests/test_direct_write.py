@@ -1,6 +1,7 @@
 """shared/http/direct_write.py against the real uvicorn: a chunk written directly is framed as
-uvicorn's own `send` frames one, interleaves with `send` in order, and is only offered by the
-httptools protocol (h11 and anything else: none). No engine: part of `make check`."""
+uvicorn's own `send` frames one, goes out at the next turn of the event loop (a `send` after
+that turn follows it in order), and is only offered by the httptools protocol (h11 and anything
+else: none). No engine: part of `make check`."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Recorder:
         for index, chunk in enumerate((b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", b"data: 4\n\n")):
             if write_now is not None and index % 2 == 0:
                 self.written.append(write_now(chunk))
+                await asyncio.sleep(0)  # queued chunks go out in the next turn: `send` only after it
             else:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

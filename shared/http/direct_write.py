@@ -9,14 +9,22 @@ caught-up stream's events on its connection in the producer's own turn (shared/i
 Only where it is exactly what the server itself would do: uvicorn's httptools protocol (the deploy
 images' HTTP stack), a response whose head is out with chunked transfer encoding and not yet
 complete, the client connected and the transport not asking for back-pressure. `write_now` then
-frames the chunk as uvicorn's `send` frames a body message with more to come and writes it to the
-transport, and says True; in any other state it writes nothing and says False, and the chunk goes
-through `send` as usual (which waits for a slow client). Any other server (h11, Modal's ASGI
-runner, test clients) gets no direct write at all.
+frames the chunk as uvicorn's `send` frames a body message with more to come, queues it and says
+True; in any other state it queues nothing and says False, and the chunk goes through `send` as
+usual (which waits for a slow client). Any other server (h11, Modal's ASGI runner, test clients)
+gets no direct write at all.
+
+The queued chunks of every connection go to their transports together, in one callback at the
+start of the event loop's next turn: written as each is made instead, the writes of one engine
+step spread over the whole turn that hands its outputs round, and on 2 cores the clients then
+saw their events later (docs/performance.md, "Direct writes"). The order on a connection holds
+because whoever uses `send` after a direct write does so in a later turn (the event log wakes
+its reader with `call_soon`, behind this callback).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.types import Send
@@ -48,7 +56,27 @@ def _chunk_writer(cycle: Any) -> WriteNow:
             or not cycle.chunked_encoding
         ):
             return False
-        cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        _queue(cycle.transport, b"%x\r\n%s\r\n" % (len(chunk), chunk))
         return True
 
     return write_now
+
+
+# Per event loop (tests run several), the chunks waiting for the next turn's flush; an entry
+# lives from the turn's first direct write to its flush.
+_waiting: dict[asyncio.AbstractEventLoop, list[tuple[Any, bytes]]] = {}
+
+
+def _queue(transport: Any, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    batch = _waiting.get(loop)
+    if batch is None:
+        batch = _waiting[loop] = []
+        loop.call_soon(_flush, loop)
+    batch.append((transport, data))
+
+
+def _flush(loop: asyncio.AbstractEventLoop) -> None:
+    for transport, data in _waiting.pop(loop, ()):
+        if not transport.is_closing():  # the client left since: uvloop refuses a closed transport
+            transport.write(data)

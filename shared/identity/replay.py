@@ -36,7 +36,8 @@ from shared.streaming import error_frames, sse_data, sse_event
 
 # How many new events a caught-up reader waits for before its next write (see `follow`).
 EventsPerWrite = Callable[[], int]
-# Writes one chunk to the reader's connection now and says True, or writes nothing and says False.
+# Takes one chunk for the reader's connection, to go out ahead of anything sent to it in a later
+# event-loop turn, and says True; or takes nothing and says False.
 WriteNow = Callable[[bytes], bool]
 
 # Events every stream gets the moment they exist, whatever the load: a chat stream's role
