@@ -690,6 +690,24 @@ async def _step(engine: ScriptedEngine, tokens: int) -> None:
     await settle(20)
 
 
+def _two_text_streams(
+    engine: ScriptedEngine,
+    loop: asyncio.AbstractEventLoop,
+    on_loop: Callable[[Any], Any],
+    request_id: str,
+    second_cancelled: Callable[[], BaseException],
+) -> tuple[Iterator[str], Iterator[str], bridge.CancelSignal]:
+    """Two predictions' text streams over one generation (one request_id), both past the shared
+    first token; the second's cancel signal, for the test to fire."""
+    first, second = on_loop(_two_readers_of_one_generation(engine, request_id))
+    signals = bridge.CancelSignal(), bridge.CancelSignal()
+    kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
+    other = bridge.stream_text(second, loop, second_cancelled, signals[1])
+    on_loop(_step(engine, 1))
+    assert next(kept) == next(other) == "t0 "
+    return kept, other, signals[1]
+
+
 class FollowerCancelled(Exception):
     """What the test's `cancelled()` builds (the runner passes Cog's CancelationException)."""
 
@@ -701,17 +719,14 @@ def test_a_cancelled_follower_stops_waiting_at_once() -> None:
     engine = ScriptedEngine()
 
     with engine_loop() as (loop, on_loop), concurrent.futures.ThreadPoolExecutor(1) as slot:
-        first, second = on_loop(_two_readers_of_one_generation(engine, "follower-id"))
-        signals = bridge.CancelSignal(), bridge.CancelSignal()
-        kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
-        follower = bridge.stream_text(second, loop, FollowerCancelled, signals[1])
-        on_loop(_step(engine, 1))
-        assert next(kept) == next(follower) == "t0 "
+        kept, follower, follower_signal = _two_text_streams(
+            engine, loop, on_loop, "follower-id", FollowerCancelled
+        )
         waiting = slot.submit(next, follower)  # no engine step comes: it blocks
         try:
             with pytest.raises(concurrent.futures.TimeoutError):
                 waiting.result(timeout=0.3)
-            signals[1].fire()
+            follower_signal.fire()
             with pytest.raises(FollowerCancelled):
                 waiting.result(timeout=10)
         finally:
@@ -728,13 +743,8 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
     engine = ScriptedEngine()
 
     with engine_loop() as (loop, on_loop):
-        first, second = on_loop(_two_readers_of_one_generation(engine, "shared-id"))
-        signals = bridge.CancelSignal(), bridge.CancelSignal()
-        kept = bridge.stream_text(first, loop, RuntimeError, signals[0])
-        cancelled = bridge.stream_text(second, loop, RuntimeError, signals[1])
-        on_loop(_step(engine, 1))
-        assert next(kept) == next(cancelled) == "t0 "
-        signals[1].fire()
+        kept, cancelled, cancelled_signal = _two_text_streams(engine, loop, on_loop, "shared-id", RuntimeError)
+        cancelled_signal.fire()
         cancelled.close()
         on_loop(_step(engine, 3))
         assert "".join(kept) == "t1 t2 t3 "  # the whole answer, not "canceled"
