@@ -117,7 +117,9 @@ def test_the_sdk_stream_helper_accepts_every_event(client: openai.OpenAI) -> Non
 
 
 def test_background_poll_reports_progress_and_usage(client: openai.OpenAI) -> None:
-    created = client.responses.create(model="tiny", input="count", max_output_tokens=30, background=True, temperature=0)
+    created = client.responses.create(
+        model="tiny", input="count", max_output_tokens=30, background=True, temperature=0
+    )
     assert created.status == "queued" and created.id.startswith("resp_") and len(created.id) >= 40
     statuses = []
 
