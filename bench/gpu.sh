@@ -192,7 +192,7 @@ case "$stage" in
     done
     load=(--url http://127.0.0.1:8400 --prompt-tokens 512 --output-tokens 256 --vocab 128000 --clients 4 --repeat 1)
     python3 -m bench http "${load[@]}" --levels 4 --rounds 1 --seed 1 > /dev/null  # warm-up
-    for level in 1 256; do
+    for level in ${PROFILE_LEVELS:-1 256}; do  # PROFILE_LEVELS=256 when a lease's time is short
       "$spy" record -p "$server" -r 250 -f raw -d 25 -o "bench/gpu-results/profile-c$level.txt" &
       recorder=$!
       python3 -m bench http "${load[@]}" --levels $level --rounds 2
@@ -200,7 +200,9 @@ case "$stage" in
       python3 bench/pyspy_summary.py "bench/gpu-results/profile-c$level.txt" --top 15 || true
     done
     kill "$server" && wait "$server" || true
-    cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true ;;
+    cp bench/gpu-results/profile-c*.txt "${OUT:-/tmp/out}/" 2>/dev/null || true
+    # The floor under the serving CPU per token: one loopback write per stream per engine step
+    python3 -m bench.loopback_writes --connections 256 --out "${OUT:-/tmp/out}/loopback-writes.json" ;;
   startup|startup-eager|graphs)
     # A built image ships compiled bytecode; the pip --no-compile install above does not.
     [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }

@@ -6,8 +6,9 @@ runner, Modal's container through the HTTP app):
 
 It opens the engine (or takes the one a caller started, as Modal's snapshot hooks do), warms it
 up unless BUNDLE_WARM_UP=0 or it was warmed already (before a snapshot), guards it against death
-and shutdown (shared/server_state.py), and runs the engine-death watchdog and the loop-lag
-watcher for the service's lifetime. Leaving aborts what still runs and stops the engine it opened.
+and shutdown (shared/server_state.py), and runs the engine-death watchdog, the loop-lag watcher
+and the GC pause timer for the service's lifetime. Leaving aborts what still runs and stops the
+engine it opened.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ async def _warm(engine: Engine, settings: Settings) -> None:
 
 @asynccontextmanager
 async def _watched(service: Service, lifecycle: Lifecycle) -> AsyncIterator[None]:
-    """The engine-death watchdog and the loop-lag watcher, for as long as the block runs."""
+    """The engine-death watchdog, the loop-lag watcher and the GC pause timer, for as long as
+    the block runs."""
     watchers = [
         asyncio.create_task(lifecycle.watch(service)),
         asyncio.create_task(service.watch_loop_lag()),
     ]
     try:
-        yield
+        with service.gc_pauses_observed():
+            yield
     finally:
         for task in watchers:
             task.cancel()

@@ -15,6 +15,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 import orjson
 
@@ -36,6 +37,7 @@ from shared.identity.generation import GenerationOutput, produce
 from shared.identity.interface import Identity, LocalIdentity, Subscription
 from shared.identity.registry import CancelOutcome, Entry, Registry
 from shared.identity.replay import ReplayBuffer
+from shared.obs.gc_pauses import gc_pauses_observed
 from shared.obs.loop_lag import watch_loop_lag
 from shared.obs.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
@@ -212,6 +214,10 @@ class Service:
     async def watch_loop_lag(self) -> None:
         """Until cancelled: how late this event loop runs (shared/obs/loop_lag.py)."""
         await watch_loop_lag(self.metrics.event_loop_lag)
+
+    def gc_pauses_observed(self) -> AbstractContextManager[None]:
+        """While the block runs, every garbage collection's pause (shared/obs/gc_pauses.py)."""
+        return gc_pauses_observed(self.metrics.gc_pause)
 
     def model_card(self) -> dict[str, object]:
         return {

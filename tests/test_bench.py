@@ -548,3 +548,25 @@ def test_loop_stalls_are_read_from_the_servers_loop_lag_buckets() -> None:
         server.should_exit = True
         thread.join(timeout=10)
     assert metrics_histogram_above("http://127.0.0.1:9", "bundle_event_loop_lag_seconds", STALL_S)() == 0
+
+
+def test_loopback_write_floor_measures_writer_and_reader(tmp_path: Path) -> None:
+    from bench.loopback_writes import main as loopback_main
+
+    out = tmp_path / "loopback.json"
+    arguments = ["--connections", "3", "--rounds", "4", "--step-ms", "1", "--bytes", "120"]
+    assert loopback_main([*arguments, "--out", str(out)]) == 0
+    result = orjson.loads(out.read_bytes())
+    assert (result["connections"], result["rounds"], result["event_bytes"]) == (3, 4, 120)
+    # Every write was made and read to its end: both sides spent some CPU on them.
+    assert result["writer_cpu_ms_per_write"] > 0
+    assert result["reader_cpu_ms_per_write"] > 0
+
+
+def test_loopback_write_floor_refuses_a_too_small_event(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.loopback_writes import main as loopback_main
+
+    with pytest.raises(SystemExit) as exit_:
+        loopback_main(["--bytes", "8"])
+    assert exit_.value.code == 2
+    assert "--bytes must be at least 16" in capsys.readouterr().err

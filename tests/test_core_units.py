@@ -677,3 +677,30 @@ async def test_a_paced_or_coalescing_reader_never_takes_direct_writes() -> None:
             await settle()
         buffer.close()
         assert event_ids(await reader) == [1, 2, 3] and connection.written == []
+
+
+def test_gc_pauses_are_observed_by_generation_while_the_block_runs() -> None:
+    import gc
+
+    from shared.obs.gc_pauses import gc_pauses_observed
+    from shared.obs.metrics import Metrics
+
+    metrics = Metrics()
+
+    def collections(generation: str) -> float:
+        value = metrics.registry.get_sample_value("bundle_gc_pause_seconds_count", {"generation": generation})
+        return value or 0.0
+
+    callbacks_before = list(gc.callbacks)
+    gc.disable()  # only the collections asked for here: none set off by an allocation meanwhile
+    try:
+        with gc_pauses_observed(metrics.gc_pause):
+            gc.collect(0)
+            gc.collect(2)
+            gc.collect(2)
+        gc.collect(2)  # after the block: not observed
+    finally:
+        gc.enable()
+    assert (collections("0"), collections("2")) == (1.0, 2.0)
+    assert metrics.registry.get_sample_value("bundle_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    assert gc.callbacks == callbacks_before  # nothing left behind

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ADMISSION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# Young collections take tens of microseconds; a full one over a big live heap, tens of milliseconds.
+_GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # A shared store on the same network answers in well under a millisecond; seconds mean trouble.
 _STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
@@ -47,6 +49,14 @@ class Metrics:
             "bundle_event_loop_lag_seconds",
             "How much later than due the API's event loop ran a 100 ms timer (shared/obs/loop_lag.py).",
             buckets=_LOOP_LAG_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = Histogram(
+            "bundle_gc_pause_seconds",
+            "How long each garbage collection stopped the process, the event loop with it, by "
+            "generation (shared/obs/gc_pauses.py).",
+            ["generation"],
+            buckets=_GC_PAUSE_BUCKETS,
             registry=r,
         )
         # Written once per token per stream: the lock-free kind (shared/obs/loop_metrics.py says why).
