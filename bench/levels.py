@@ -51,6 +51,9 @@ class Meters:
     # How many of the bundle's loop-lag samples so far ran later than STALL_S: a mean hides one
     # long stall (a request burst missing an engine step), a count does not.
     server_loop_stalls: Callable[[], int] | None = None
+    # The bundle's garbage-collection pauses so far (bundle_gc_pause_seconds): seconds in all,
+    # and how many full collections and their seconds; reported per run as `server_gc`.
+    server_gc: Callable[[], dict[str, float]] | None = None
 
 
 NO_METERS = Meters()
@@ -84,7 +87,12 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
     before = {name: (read, read()) for name, read in histograms.items() if read is not None}
     counted_before = meters.per_token() if meters.per_token else {}
     stalls_before = meters.server_loop_stalls() if meters.server_loop_stalls else 0
+    gc_before = meters.server_gc() if meters.server_gc else {}
     result = await run(prompts, level)
+    if meters.server_gc is not None:
+        result["server_gc"] = {
+            name: value - gc_before.get(name, 0.0) for name, value in meters.server_gc().items()
+        }
     if meters.server_loop_stalls is not None:
         result["server_loop_stalls"] = meters.server_loop_stalls() - stalls_before
     if meters.per_token is not None:
@@ -200,6 +208,12 @@ def _ttft_split(level: dict) -> str:
     ]
     if "server_loop_stalls" in level:
         extras.append(f"loop stalls over {STALL_S * 1000:.0f} ms {level['server_loop_stalls']}")
+    if level.get("server_gc"):
+        gc = level["server_gc"]
+        extras.append(
+            f"GC pauses {gc['gc_pause_s'] * 1000:.0f} ms "
+            f"({gc['gc_full_collections']:.0f} full, {gc['gc_full_pause_s'] * 1000:.0f} ms)"
+        )
     return f"  TTFT mean {client:.1f} ms, {server:.1f} of it after the generation task started" + "".join(
         f", {extra}" for extra in extras
     )

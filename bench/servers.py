@@ -225,6 +225,22 @@ def metrics_histogram_counter(url: str, name: str) -> Callable[[], tuple[float, 
     return read
 
 
+def metrics_gc_pauses(url: str) -> Callable[[], dict[str, float]]:
+    """Reads the bundle's garbage-collection pauses so far (bundle_gc_pause_seconds): seconds in
+    all generations, and how many full collections (generation 2) and their seconds."""
+    full = '{generation="2"}'
+
+    def read() -> dict[str, float]:
+        values = _scraped(url)
+        return {
+            "gc_pause_s": sum(v for k, v in values.items() if k.startswith("bundle_gc_pause_seconds_sum{")),
+            "gc_full_collections": values.get(f"bundle_gc_pause_seconds_count{full}", 0.0),
+            "gc_full_pause_s": values.get(f"bundle_gc_pause_seconds_sum{full}", 0.0),
+        }
+
+    return read
+
+
 def _scraped(url: str) -> dict[str, float]:
     """Every sample of the server's /metrics by its name with labels; empty if it cannot."""
     try:

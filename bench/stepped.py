@@ -21,7 +21,8 @@ import asyncio
 import os
 import statistics
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,24 @@ def serve(port: int, step_s: float) -> int:
     from shared.http.process import run_server
     from shared.settings import Settings
 
-    settings = Settings(port=port, access_log=False)
-    engine = SteppedEngine(step_s)
-    return run_server(settings, lambda exit_with: create_app(settings, engine=engine, request_exit=exit_with))
+    settings = Settings(port=port, access_log=False, warm_up=False)
+    return run_server(
+        settings,
+        lambda exit_with: create_app(settings, engine_factory=_opened_stepped(step_s), request_exit=exit_with),
+    )
+
+
+def _opened_stepped(step_s: float) -> Callable[[Any], AbstractAsyncContextManager[SteppedEngine]]:
+    """An engine factory for the app's lifespan that, as the vLLM engine's start does, freezes the
+    heap start-up leaves: garbage collections then walk only what serving keeps alive."""
+    from shared.engine.vllm import freeze_startup_heap
+
+    @asynccontextmanager
+    async def opened(settings: Any) -> AsyncIterator[SteppedEngine]:
+        freeze_startup_heap()
+        yield SteppedEngine(step_s)
+
+    return opened
 
 
 async def one_run(variant: dict[str, str], args: argparse.Namespace, log: Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from bench.servers import (
     bundle_command,
     free_port,
     logged_batch_tokens,
+    metrics_gc_pauses,
     metrics_histogram_above,
     metrics_histogram_counter,
     peak_rss_mib,
@@ -181,6 +182,7 @@ def run_server(
             server_loop_stalls=(
                 metrics_histogram_above(url, "bundle_event_loop_lag_seconds", STALL_S) if bundle else None
             ),
+            server_gc=metrics_gc_pauses(url) if bundle else None,
         )
         levels = [int(x) for x in args.levels.split(",")]
         run = bench_http(

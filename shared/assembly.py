@@ -6,9 +6,9 @@ runner, Modal's container through the HTTP app):
 
 It opens the engine (or takes the one a caller started, as Modal's snapshot hooks do), warms it
 up unless BUNDLE_WARM_UP=0 or it was warmed already (before a snapshot), guards it against death
-and shutdown (shared/server_state.py), and runs the engine-death watchdog, the loop-lag watcher
-and the GC pause timer for the service's lifetime. Leaving aborts what still runs and stops the
-engine it opened.
+and shutdown (shared/server_state.py), sets the garbage collector's serving thresholds, and runs
+the engine-death watchdog, the loop-lag watcher and the GC pause timer for the service's lifetime.
+Leaving aborts what still runs and stops the engine it opened.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from shared.engine.vllm import Engine, open_engine
+from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.server_state import GuardedEngine, Lifecycle
 from shared.service import Service
@@ -48,8 +49,9 @@ async def start_service(
             await _warm(engine, settings)
         service = Service(settings, GuardedEngine(engine, lifecycle))
         stack.push_async_callback(service.aclose)  # last in, so it runs before the engine stops
-        async with _watched(service, lifecycle):
-            yield service
+        with gc_thresholds(settings.gc_thresholds):
+            async with _watched(service, lifecycle):
+                yield service
 
 
 async def _warm(engine: Engine, settings: Settings) -> None:

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, PositiveInt, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/engine/tiny_model.py
@@ -163,7 +163,7 @@ class Outputs(Section):
 
 
 class Lifecycle(Section):
-    """Sleep mode (GPU memory snapshots) and shutdown."""
+    """Sleep mode (GPU memory snapshots), shutdown, and the garbage collector while serving."""
 
     sleep_mode: bool = Field(
         False,
@@ -191,6 +191,13 @@ class Lifecycle(Section):
         description="Run a few requests before serving (shared/lifecycle.py, warm_up) so the first "
         "users do not pay for first-use compiles: on the H200 the first sampled burst waited 10 s "
         "for vLLM's top-k/top-p kernel without it. Off saves ~1.5 s per start on the CPU build.",
+    )
+    gc_thresholds: tuple[PositiveInt, PositiveInt, PositiveInt] = Field(
+        (700, 10, 10),
+        description="Python's garbage-collector thresholds while serving (gc.set_threshold), as a "
+        "JSON list; the default is Python's own. A larger third one makes full collections, which "
+        "stop the event loop while they walk every live stream's objects, rarer "
+        "(`bundle_gc_pause_seconds` shows them; shared/gc_thresholds.py, docs/performance.md).",
     )
 
 

@@ -570,3 +570,24 @@ def test_loopback_write_floor_refuses_a_too_small_event(capsys: pytest.CaptureFi
         loopback_main(["--bytes", "8"])
     assert exit_.value.code == 2
     assert "--bytes must be at least 16" in capsys.readouterr().err
+
+
+def test_gc_pauses_are_read_from_the_servers_metrics_per_level(scripted_url: str) -> None:
+    import gc
+
+    from bench.servers import metrics_gc_pauses
+
+    read = metrics_gc_pauses(scripted_url)
+    before = read()
+    gc.collect(2)  # collections are process-wide: the server's timer sees these two
+    gc.collect(2)
+    after = read()
+    assert after["gc_full_collections"] - before["gc_full_collections"] >= 2
+    assert after["gc_full_pause_s"] > before["gc_full_pause_s"]
+    assert after["gc_pause_s"] - before["gc_pause_s"] >= after["gc_full_pause_s"] - before["gc_full_pause_s"]
+    assert set(metrics_gc_pauses("http://127.0.0.1:9")().values()) == {0.0}  # nobody there
+    workload = Workload(prompt_tokens=8, output_tokens=3, vocab_size=1000)
+    meters = Meters(server_gc=read)
+    (level,) = asyncio.run(bench_http(scripted_url, workload, [2], rounds=8, meters=meters))
+    assert set(level["server_gc"]) == {"gc_pause_s", "gc_full_collections", "gc_full_pause_s"}
+    assert all(value >= 0 for value in level["server_gc"].values())

@@ -704,3 +704,45 @@ def test_gc_pauses_are_observed_by_generation_while_the_block_runs() -> None:
     assert (collections("0"), collections("2")) == (1.0, 2.0)
     assert metrics.registry.get_sample_value("bundle_gc_pause_seconds_sum", {"generation": "2"}) > 0
     assert gc.callbacks == callbacks_before  # nothing left behind
+
+
+def test_gc_thresholds_hold_for_the_block_and_are_restored_after() -> None:
+    import gc
+
+    from shared.gc_thresholds import gc_thresholds
+
+    before = gc.get_threshold()
+    with gc_thresholds((1234, 7, 99)):
+        assert gc.get_threshold() == (1234, 7, 99)
+    assert gc.get_threshold() == before
+
+
+def test_gc_thresholds_setting_is_a_json_list_of_three_positive_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    assert Settings().gc_thresholds == (700, 10, 10)  # Python's own
+    monkeypatch.setenv("BUNDLE_GC_THRESHOLDS", "[2000, 20, 50]")
+    assert Settings().gc_thresholds == (2000, 20, 50)
+    for bad in ("[0, 10, 10]", "[700, 10]", "700"):
+        monkeypatch.setenv("BUNDLE_GC_THRESHOLDS", bad)
+        with pytest.raises(ValidationError):
+            Settings()
+
+
+def test_a_running_service_serves_with_its_gc_thresholds_and_times_collections() -> None:
+    import gc
+
+    from shared.assembly import start_service
+
+    settings = Settings(gc_thresholds=(900, 9, 90))
+    before = gc.get_threshold()
+
+    async def inside() -> tuple[tuple[int, int, int], bytes]:
+        async with start_service(settings, engine=ScriptedEngine(auto=True)) as service:
+            gc.collect(1)
+            return gc.get_threshold(), service.metrics_text()
+
+    thresholds, exposition = asyncio.run(inside())
+    assert thresholds == (900, 9, 90)
+    assert b'bundle_gc_pause_seconds_count{generation="1"}' in exposition
+    assert gc.get_threshold() == before
