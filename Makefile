@@ -34,7 +34,7 @@ serve: $(STAMP)
 	$(PY) -m shared.serve --host $(HOST) --port $(PORT)
 
 # The fast tier for the edit-test loop (under a minute after set-up on 2 cores; no vLLM engine
-# starts): ruff; mypy on every package but tests (clean; its first run, before .mypy_cache exists,
+# starts): ruff; mypy on every package and tests' two stand-in engines (clean; its first run, before .mypy_cache exists,
 # adds two to three minutes reading vLLM's, torch's and transformers' types); the engine-free tests,
 # i.e. the scripted-engine units, the HTTP layer's hostile-input tests (the ones needing the real
 # engine skip under BUNDLE_TESTS_WITHOUT_ENGINE) and the cost model, less those marked `slow`.
@@ -42,7 +42,7 @@ serve: $(STAMP)
 CHECK_TESTS ?= tests/test_layout.py tests/test_bundle_client.py tests/test_core_units.py tests/test_direct_write.py tests/test_hostile.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
 check: $(STAMP)
 	$(PY) -m ruff check shared bundle_client modal_app cost_model cog bench tests
-	$(PY) -m mypy cost_model shared cog modal_app bench bundle_client
+	$(PY) -m mypy cost_model shared cog modal_app bench bundle_client tests/scripted.py tests/fakes.py
 	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(PY) -m pytest -q -m 'not slow' $(CHECK_TESTS)
 
 test: $(STAMP) $(STAMP312)

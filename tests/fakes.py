@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.vllm import Engine, EngineDelta, EngineInfo, SamplingRequest
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
+from tests.scripted import RefusesExtras
 
 
-class DyingEngine:
+class DyingEngine(RefusesExtras):
     """Streams `die_after` one-character tokens, then dies like vLLM's EngineDeadError does."""
 
     def __init__(self, die_after: int = 3) -> None:
@@ -56,6 +57,10 @@ class DyingEngine:
 
     async def wake_up(self) -> None:
         pass
+
+
+def _conforms(engine: DyingEngine) -> Engine:
+    return engine  # mypy (make check): the dying engine keeps to the protocol
 
 
 @asynccontextmanager

@@ -10,10 +10,30 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from shared.engine.vllm import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.lora import Adapter
+from shared.engine.structured import OutputConstraint
+from shared.engine.vllm import Engine, EngineDelta, EngineInfo, SamplingRequest
+from shared.errors import InvalidRequest
 
 
-class ScriptedEngine:
+class RefusesExtras:
+    """The `Engine` methods a stand-in engine has nothing behind: tool calls, constrained output
+    and LoRA adapters are the client's 400, as an engine that cannot serve them answers."""
+
+    def tool_parser(self, tools: Sequence[dict[str, Any]]) -> Any:
+        raise InvalidRequest("tools: this test engine serves no tool calls", param="tools")
+
+    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
+        raise InvalidRequest(f"{param}: this test engine enforces no output format", param=param)
+
+    async def add_adapter(self, adapter: Adapter) -> None:
+        raise InvalidRequest(f"this test engine serves no LoRA adapters ({adapter.name!r})")
+
+    async def remove_adapter(self, adapter: Adapter) -> None:
+        return None  # none is ever added
+
+
+class ScriptedEngine(RefusesExtras):
     """Every generation yields one-word tokens `t0 t1 ...`, one each time the test calls `step`
     (or all at once with `auto=True`), and finishes with "length" after `max_tokens`."""
 
@@ -72,6 +92,10 @@ class ScriptedEngine:
 
     def running_requests(self) -> int:
         return len(self.running)
+
+
+def _conforms(engine: ScriptedEngine) -> Engine:
+    return engine  # mypy (make check): the scripted engine keeps to the protocol
 
 
 async def settle(rounds: int = 5) -> None:

@@ -792,3 +792,27 @@ def test_a_named_non_streaming_client_that_leaves_keeps_its_grace_window(
     with httpx.Client(base_url=base_url, timeout=30) as client:
         assert client.post("/v1/requests/non-streaming-grace/cancel").json()["status"] == "cancelled"
     wait_until(lambda: service.engine.running_requests() == 0, timeout=10.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+async def test_what_an_engine_cannot_serve_is_a_400_naming_it(scripted: App, extra: dict, param: str) -> None:
+    """An engine without structured output or tools behind it (here the scripted one) refuses
+    through the protocol's own methods: the client's 400 naming the field, not a 500."""
+    before = _generations(scripted.service)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    response = await scripted.client.post("/v1/chat/completions", json=body)
+    _assert_openai_error(response, 400)
+    assert response.json()["error"]["param"] == param
+    assert _generations(scripted.service) == before
