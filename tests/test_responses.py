@@ -196,7 +196,10 @@ def test_delete_removes_and_an_unknown_id_is_a_clear_404(client: openai.OpenAI) 
         ({"input": [{"type": "input_file", "file_id": "f"}]}, "input.0.type"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "hi", "temperature": 3}, "temperature"),
-        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include.0"),
+        ({"input": "hi", "include": ["not.a.thing"]}, "include.0"),
+        ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "background": True, "store": False}, None),
     ],
 )
@@ -207,6 +210,27 @@ def test_bad_input_is_a_400_naming_the_field(
         client.responses.create(model="tiny", **body)
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == param and error["message"]
+
+
+def test_the_options_an_agents_sdk_sends_by_default_are_accepted(client: openai.OpenAI) -> None:
+    """The OpenAI Agents SDK (0.24) sends `include` with every request, an empty list unless a
+    tool or setting asks for more; `truncation: disabled` and a reasoning effort of `none` are
+    what this server does anyway. Includes that extend items it never makes add nothing."""
+    made = client.responses.create(
+        model="tiny",
+        input="hi",
+        include=[],
+        truncation="disabled",
+        reasoning={"effort": "none"},  # type: ignore[typeddict-item]
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert made.status in ("completed", "incomplete") and made.output_text
+    vacuous = client.responses.create(
+        model="tiny", input="hi", include=["reasoning.encrypted_content"], max_output_tokens=4, temperature=0
+    )
+    assert vacuous.output_text == made.output_text  # greedy: the same answer, nothing added
+    assert [item.type for item in vacuous.output] == ["message"]
 
 
 def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai.OpenAI) -> None:

@@ -93,6 +93,29 @@ class TextOptions(_Strict):
     verbosity: None = None
 
 
+# What OpenAI's `include` may ask for. Every one but output logprobs extends items this server
+# never produces (built-in tools, images, reasoning): asked for, they have nothing to add, as
+# they would not for such a model at OpenAI. Logprobs it could add and does not yet: a 400.
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+]
+NOT_YET_INCLUDED = "message.output_text.logprobs"
+
+
+class NoReasoning(_Strict):
+    """`reasoning` as a model that does not reason can honour it: nothing asked for."""
+
+    effort: Literal["none"] | None = None
+    summary: None = None
+    generate_summary: None = None
+
+
 class ResponsesRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem] = Field(min_length=1)
@@ -111,6 +134,10 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     user: str | None = None
     seed: int | None = Field(None, ge=0)
+    # The OpenAI Agents SDK sends `include` with every request, an empty list unless asked.
+    include: list[Includable] | None = Field(None, max_length=16)
+    truncation: Literal["disabled"] = "disabled"
+    reasoning: NoReasoning | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -128,6 +155,7 @@ class ResponsesRequest(_Strict):
                 )
         for index, item in enumerate(data["input"] if isinstance(data.get("input"), list) else []):
             _check_item(index, item)
+        _check_options(data)
         return data
 
     @model_validator(mode="after")
@@ -149,6 +177,30 @@ class ResponsesRequest(_Strict):
 
 def _unsupported(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(message, param=param, code="unsupported_parameter")
+
+
+def _check_options(data: dict[str, Any]) -> None:
+    """The options OpenAI has that this server cannot honour, refused by name."""
+    include = data.get("include")
+    if isinstance(include, list) and NOT_YET_INCLUDED in include:
+        raise _unsupported(
+            f"include.{include.index(NOT_YET_INCLUDED)}",
+            f"{NOT_YET_INCLUDED!r} is not supported: no logprobs here yet",
+        )
+    if data.get("truncation") == "auto":
+        raise _unsupported(
+            "truncation", "truncation 'auto' is not supported: input is never dropped here (send 'disabled')"
+        )
+    reasoning = data.get("reasoning")
+    if not isinstance(reasoning, dict):
+        return
+    asked = {name: value for name, value in reasoning.items() if value is not None}
+    if asked.get("effort") == "none":
+        del asked["effort"]  # no reasoning: what this model does anyway
+    for name, value in asked.items():
+        raise _unsupported(
+            f"reasoning.{name}", f"reasoning.{name} {value!r} is not supported: this model does not reason"
+        )
 
 
 def _check_item(index: int, item: Any) -> None:
