@@ -233,6 +233,19 @@ def test_the_options_an_agents_sdk_sends_by_default_are_accepted(client: openai.
     assert [item.type for item in vacuous.output] == ["message"]
 
 
+def test_a_conversation_kept_by_the_client_sends_the_output_back_as_input(client: openai.OpenAI) -> None:
+    """OpenAI's stateless pattern (and the Agents SDK's): the next request's input is the history
+    plus the previous response's output items as the SDK returned them, `output_text` parts
+    with their `annotations` and `logprobs` lists. That was a 400 while parts took no logprobs."""
+    history: list[Any] = [{"role": "user", "content": "hi"}]
+    first = client.responses.create(model="tiny", input=history, max_output_tokens=4, temperature=0)
+    history += first.output
+    history.append({"role": "user", "content": "and again"})
+    second = client.responses.create(model="tiny", input=history, max_output_tokens=4, temperature=0)
+    assert second.output_text and second.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
 def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai.OpenAI) -> None:
     structured = client.responses.create(model="tiny", input="a story", text=ENDS, max_output_tokens=200)  # type: ignore[arg-type]
     assert json.loads(structured.output_text) == {"story": SENTENCE}

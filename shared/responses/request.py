@@ -29,7 +29,10 @@ class _Strict(BaseModel):
 class TextPart(_Strict):
     type: Literal["input_text", "output_text", "text"]
     text: str
-    annotations: list[Any] | None = None  # output_text parts echoed back by clients
+    # Output_text parts echoed back by clients (the Agents SDK sends a whole turn's output as the
+    # next input): what they carry besides the text is theirs, not the model's, and is dropped.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class MessageItem(_Strict):
