@@ -328,12 +328,15 @@ def parse_request(model: type[RequestModel], body: Any) -> RequestModel:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _as_invalid_request(exc) from None
+        raise as_invalid_request(exc) from None
 
 
-def _as_invalid_request(exc: ValidationError) -> InvalidRequest:
+def as_invalid_request(exc: ValidationError, under: str = "") -> InvalidRequest:
+    """The first problem as one clear OpenAI error; `under` prefixes its parameter's path (a part
+    of the body validated on its own, e.g. `input.2`)."""
     error = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in error["loc"]) or None
+    path = [under] if under else []
+    param = ".".join([*path, *(str(part) for part in error["loc"])]) or None
     if error["type"] == "extra_forbidden":
         return InvalidRequest(f"unsupported parameter: {param}", param=param, code="unsupported_parameter")
     message = f"{param}: {error['msg']}" if param else error["msg"]

@@ -103,3 +103,31 @@ def test_a_keyed_response_id_needs_the_deploys_secret() -> None:
     plain = "resp_" + hashlib.sha256(b"bundle-responses\0" + key.encode()).hexdigest()[:48]
     assert named != plain and len(named) == len(plain)
     assert response_id_for(None, b"sk-a") != response_id_for(None, b"sk-a")  # random without a key
+
+
+def test_a_bad_input_item_is_named_by_its_own_field() -> None:
+    """Not by a branch of the input's union (`input.constrained-str`, what it said before)."""
+    import pytest
+
+    from shared.errors import InvalidRequest
+
+    cases = [
+        (
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x", "x": 1}]},
+            "input.1.content.0.x",
+        ),
+        ({"type": "message", "role": "robot", "content": "x"}, "input.1.role"),
+        ({"type": "function_call", "call_id": "c", "name": "f"}, "input.1.arguments"),
+        ("not an object", "input.1"),
+        ({"role": "user", "content": ["not an object"]}, "input.1.content.0"),
+    ]
+    for item, param in cases:
+        with pytest.raises(InvalidRequest) as refused:
+            parse_responses_request({"model": "tiny", "input": [{"role": "user", "content": "a"}, item]})
+        assert refused.value.param == param, (item, refused.value)
+    echoed = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "x", "annotations": [], "logprobs": []}],
+    }
+    assert parse_responses_request({"model": "tiny", "input": [echoed]}).input[0].text == "x"  # type: ignore[union-attr]

@@ -12,10 +12,10 @@ import hashlib
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import InvalidRequest
-from shared.protocol import TEMPERATURE_RANGE, ChatCompletionRequest, parse_request
+from shared.protocol import TEMPERATURE_RANGE, ChatCompletionRequest, as_invalid_request, parse_request
 
 # Input item and content types that need a model that sees or runs more than text.
 UNSUPPORTED_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url", "file"})
@@ -67,6 +67,11 @@ class FunctionCallOutputItem(_Strict):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+ITEM_KINDS: dict[str, type[_Strict]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
 
 
 class FunctionTool(_Strict):
@@ -208,13 +213,13 @@ def _check_options(data: dict[str, Any]) -> None:
 
 def _check_item(index: int, item: Any) -> None:
     if not isinstance(item, dict):
-        return
+        raise InvalidRequest(f"input.{index}: an input item is an object", param=f"input.{index}")
     kind = item.get("type", "message")
     if kind in UNSUPPORTED_PARTS:
         raise _unsupported(
             f"input.{index}.type", f"input items of type {kind!r} are not supported: the model reads text only"
         )
-    if kind not in ("message", "function_call", "function_call_output"):
+    if kind not in ITEM_KINDS:
         raise _unsupported(f"input.{index}.type", f"input items of type {kind!r} are not supported")
     content = item.get("content")
     for part_index, part in enumerate(content if isinstance(content, list) else []):
@@ -224,6 +229,17 @@ def _check_item(index: int, item: Any) -> None:
                 f"input.{index}.content.{part_index}.type",
                 f"content of type {part_kind!r} is not supported: the model reads text only",
             )
+        _validated(TextPart, part, f"input.{index}.content.{part_index}")
+    _validated(ITEM_KINDS[kind], item, f"input.{index}")
+
+
+def _validated(kind: type[_Strict], value: Any, where: str) -> None:
+    """Check `value` as `kind` on its own, so that a problem is named by its own field and not by
+    a branch of the union around it (`input.constrained-str`, what the generic error would say)."""
+    try:
+        kind.model_validate(value)
+    except ValidationError as exc:
+        raise as_invalid_request(exc, under=where) from None
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
