@@ -9,7 +9,7 @@ What the model cannot do (images, files, built-in tools) is refused here, naming
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,6 +24,9 @@ INTERNAL_METADATA_KEY = "bundle_responses"  # carries the whole body's fingerpri
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, str_max_length=2_000_000)
+
+
+StrictModel = TypeVar("StrictModel", bound=_Strict)
 
 
 class TextPart(_Strict):
@@ -161,8 +164,10 @@ class ResponsesRequest(_Strict):
                 raise _unsupported(
                     f"tools.{index}.type", f"tools of type {kind!r} are not supported: only function tools"
                 )
-        for index, item in enumerate(data["input"] if isinstance(data.get("input"), list) else []):
-            _check_item(index, item)
+        if isinstance(data.get("input"), list):
+            # Each item validated here, by its own kind, goes on as the model it became: the
+            # field's own validation then takes it as it is instead of checking it again.
+            data["input"] = [_checked_item(index, item) for index, item in enumerate(data["input"])]
         _check_options(data)
         return data
 
@@ -205,13 +210,14 @@ def _check_options(data: dict[str, Any]) -> None:
     asked = {name: value for name, value in reasoning.items() if value is not None}
     if asked.get("effort") == "none":
         del asked["effort"]  # no reasoning: what this model does anyway
-    for name, value in asked.items():
+    if asked:
+        name, value = next(iter(asked.items()))
         raise _unsupported(
             f"reasoning.{name}", f"reasoning.{name} {value!r} is not supported: this model does not reason"
         )
 
 
-def _check_item(index: int, item: Any) -> None:
+def _checked_item(index: int, item: Any) -> _Strict:
     if not isinstance(item, dict):
         raise InvalidRequest(f"input.{index}: an input item is an object", param=f"input.{index}")
     kind = item.get("type", "message")
@@ -222,22 +228,29 @@ def _check_item(index: int, item: Any) -> None:
     if kind not in ITEM_KINDS:
         raise _unsupported(f"input.{index}.type", f"input items of type {kind!r} are not supported")
     content = item.get("content")
-    for part_index, part in enumerate(content if isinstance(content, list) else []):
-        part_kind = part.get("type") if isinstance(part, dict) else None
-        if part_kind in UNSUPPORTED_PARTS:
-            raise _unsupported(
-                f"input.{index}.content.{part_index}.type",
-                f"content of type {part_kind!r} is not supported: the model reads text only",
-            )
-        _validated(TextPart, part, f"input.{index}.content.{part_index}")
-    _validated(ITEM_KINDS[kind], item, f"input.{index}")
+    if isinstance(content, list):
+        item = {
+            **item,
+            "content": [_checked_part(index, part_index, part) for part_index, part in enumerate(content)],
+        }
+    return _validated(ITEM_KINDS[kind], item, f"input.{index}")
 
 
-def _validated(kind: type[_Strict], value: Any, where: str) -> None:
-    """Check `value` as `kind` on its own, so that a problem is named by its own field and not by
-    a branch of the union around it (`input.constrained-str`, what the generic error would say)."""
+def _checked_part(index: int, part_index: int, part: Any) -> TextPart:
+    part_kind = part.get("type") if isinstance(part, dict) else None
+    if part_kind in UNSUPPORTED_PARTS:
+        raise _unsupported(
+            f"input.{index}.content.{part_index}.type",
+            f"content of type {part_kind!r} is not supported: the model reads text only",
+        )
+    return _validated(TextPart, part, f"input.{index}.content.{part_index}")
+
+
+def _validated(kind: type[StrictModel], value: Any, where: str) -> StrictModel:
+    """`value` as `kind`, checked on its own so that a problem is named by its own field and not
+    by a branch of the union around it (`input.constrained-str`, what the generic error says)."""
     try:
-        kind.model_validate(value)
+        return kind.model_validate(value)
     except ValidationError as exc:
         raise as_invalid_request(exc, under=where) from None
 
