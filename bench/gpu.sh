@@ -273,6 +273,6 @@ case "$stage" in
     done
     cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
