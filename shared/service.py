@@ -230,11 +230,13 @@ class Service:
 
     def model_cards(self) -> list[dict[str, object]]:
         """The base model, then every loaded LoRA adapter with the base as its `parent` (as
-        vLLM's server lists them; `root` is where the adapter came from)."""
+        vLLM's server lists them; `root` is where the adapter came from), the base model the
+        adapter names and any warning about it (shared/engine/lora.py)."""
         base = self.model_card()
         cards: list[dict[str, object]] = [{**base, "root": self.settings.model, "parent": None}]
         for adapter in self.adapters.loaded():
-            cards.append({**base, "id": adapter.name, "root": adapter.source, "parent": base["id"]})
+            card = {**base, "id": adapter.name, "root": adapter.source, "parent": base["id"]}
+            cards.append({**card, **adapter.card_fields()})
         return cards
 
     # --- admission ------------------------------------------------------------------------------
