@@ -68,6 +68,9 @@ class Service:
         timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/obs/engine_outputs.py)
         if timings is not None:
             self.metrics.watch_engine_outputs(timings)
+        features = getattr(engine, "features", None)  # vLLM's engine only (shared/engine/vllm_features.py)
+        if features is not None:
+            self.metrics.show_engine_features((feature.name, feature.path) for feature in features.found)
         self.registry = Registry(settings, self.metrics)
         # Start-time adapters were loaded with the engine (shared/engine/vllm.py, `open_engine`).
         self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
