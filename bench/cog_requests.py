@@ -9,6 +9,7 @@ way (the streamed text encoded again with the model's tokenizer), so their figur
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -23,11 +24,21 @@ from bench.loadgen import Requester, Sample
 
 AT_CAPACITY = "HTTP 409"  # coglet 0.23.1: "At capacity - all prediction slots busy"
 
-# The Cog inputs' defaults as coglet applies them: from the schema that `make cog-schema` writes
-# (the runner's own modules in cog/ are no package, `import cog` being the SDK).
-_COG_INPUTS = orjson.loads((Path(__file__).resolve().parents[1] / ".cog" / "openapi_schema.json").read_bytes())
-DEFAULT_TOP_P: float = _COG_INPUTS["components"]["schemas"]["Input"]["properties"]["top_p"]["default"]
-DEFAULT_TOP_K: int = _COG_INPUTS["components"]["schemas"]["Input"]["properties"]["top_k"]["default"]
+# The schema that `make cog-schema` writes, beside cog/ in the source tree (the runner's own
+# modules are no package, `import cog` being the SDK): the rehearsal runs from the tree.
+COG_SCHEMA = Path(__file__).resolve().parents[1] / ".cog" / "openapi_schema.json"
+
+
+@functools.cache
+def cog_input_defaults() -> dict[str, Any]:
+    """The Cog inputs' defaults as coglet applies them, read on first use (not at import: the
+    package imports from an installed wheel too, where no .cog/ folder exists)."""
+    try:
+        schema = orjson.loads(COG_SCHEMA.read_bytes())
+    except FileNotFoundError:
+        raise RuntimeError(f"{COG_SCHEMA} is missing: run the Cog rehearsal from the source tree") from None
+    inputs = schema["components"]["schemas"]["Input"]["properties"]
+    return {name: field["default"] for name, field in inputs.items() if "default" in field}
 
 
 @dataclass
@@ -100,8 +111,8 @@ async def chat_stream(client: aiohttp.ClientSession, model: str, prompt: str, ma
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 1.0,
-        "top_p": DEFAULT_TOP_P,
-        "top_k": DEFAULT_TOP_K,
+        "top_p": cog_input_defaults()["top_p"],
+        "top_k": cog_input_defaults()["top_k"],
         "stream": True,
         "stream_options": {"include_usage": True},
     }

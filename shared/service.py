@@ -68,6 +68,9 @@ class Service:
         timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/obs/engine_outputs.py)
         if timings is not None:
             self.metrics.watch_engine_outputs(timings)
+        features = getattr(engine, "features", None)  # vLLM's engine only (shared/engine/vllm_features.py)
+        if features is not None:
+            self.metrics.show_engine_features((feature.name, feature.path) for feature in features.found)
         self.registry = Registry(settings, self.metrics)
         # Start-time adapters were loaded with the engine (shared/engine/vllm.py, `open_engine`).
         self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
@@ -230,11 +233,13 @@ class Service:
 
     def model_cards(self) -> list[dict[str, object]]:
         """The base model, then every loaded LoRA adapter with the base as its `parent` (as
-        vLLM's server lists them; `root` is where the adapter came from)."""
+        vLLM's server lists them; `root` is where the adapter came from), the base model the
+        adapter names and any warning about it (shared/engine/lora.py)."""
         base = self.model_card()
         cards: list[dict[str, object]] = [{**base, "root": self.settings.model, "parent": None}]
         for adapter in self.adapters.loaded():
-            cards.append({**base, "id": adapter.name, "root": adapter.source, "parent": base["id"]})
+            card = {**base, "id": adapter.name, "root": adapter.source, "parent": base["id"]}
+            cards.append({**card, **adapter.card_fields()})
         return cards
 
     # --- admission ------------------------------------------------------------------------------

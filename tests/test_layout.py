@@ -5,7 +5,8 @@ still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
   protocol, streaming) < obs < engine < identity < the assembly (service, lifecycle,
-  server_state, and any other top-level module) < http < the entry point (serve);
+  server_state, and any other top-level module) < responses (the Responses API, built on the
+  service) < http < the entry point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
 - bundle_client imports nothing from shared (it is shipped to users without the server).
 """
@@ -19,9 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming"}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
-LAYER_OF_PACKAGE = {"shared.obs": 1, "shared.engine": 2, "shared.identity": 3, "shared.http": 5}
-ASSEMBLY, TOP = 4, 6
-NAMES = {0: "foundation", 1: "obs", 2: "engine", 3: "identity", 4: "assembly", 5: "http", 6: "entry"}
+LAYER_OF_PACKAGE = {
+    "shared.obs": 1,
+    "shared.engine": 2,
+    "shared.identity": 3,
+    "shared.responses": 5,
+    "shared.http": 6,
+}
+ASSEMBLY, TOP = 4, 7
+NAMES = {
+    0: "foundation",
+    1: "obs",
+    2: "engine",
+    3: "identity",
+    4: "assembly",
+    5: "responses",
+    6: "http",
+    7: "entry",
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -110,6 +126,16 @@ def test_graph_is_read() -> None:
     assert "bundle_client.sse" in edges["bundle_client.client"]
 
 
+def test_every_package_of_shared_has_a_layer() -> None:
+    """A sub-package left out of LAYER_OF_PACKAGE would count as no layer, and its imports as
+    unchecked (shared.responses was, until issue 42)."""
+    packages = {
+        ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "shared").glob("*/__init__.py")
+    }
+    assert packages == set(LAYER_OF_PACKAGE)
+    assert layer("shared.responses.manager") == 5
+
+
 def test_no_import_cycles() -> None:
     assert cycles(graph()) == []
 
@@ -137,7 +163,7 @@ def test_core_imports_no_wrapper() -> None:
     for module, targets in graph().items():
         if module.startswith("shared"):
             assert not targets & wrappers, (module, targets & wrappers)
-    for package in ("shared.http", "shared.identity", "shared.engine", "shared.obs", "bundle_client"):
+    for package in (*LAYER_OF_PACKAGE, "bundle_client"):
         tree = ast.parse(files[package].read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], package
 

@@ -59,7 +59,6 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gamma": write_adapter(root / "gamma", model, seed=3),
         "rank16": write_adapter(root / "rank16", model, seed=4, rank=16),
         "wide": write_adapter(root / "wide", model, seed=5, widen_by=16, base=None),
-        "llama2": write_adapter(root / "llama2", model, seed=6, base="meta-llama/Llama-2-7b-hf"),
     }
     (root / "empty").mkdir()
     made["empty"] = root / "empty"
@@ -254,7 +253,6 @@ def test_unloading_while_a_stream_runs_lets_it_finish_then_drops_the_adapter(
         ("empty", 400, "invalid_lora_adapter", "adapter_config.json"),
         ("rank16", 400, "lora_rank_too_high", "rank 16"),
         ("wide", 400, "invalid_lora_adapter", "cannot be loaded on this model"),
-        ("llama2", 400, "lora_base_mismatch", "Llama-2-7b-hf"),
     ],
 )
 def test_a_bad_adapter_is_a_400_with_its_reason_and_leaves_nothing_behind(

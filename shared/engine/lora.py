@@ -2,11 +2,16 @@
 
 A request's `model` names the base (its served name) or a loaded adapter; anything else is a 404
 `model_not_found`. The catalogue holds at most `max_loaded_loras` adapters (start-time and
-runtime together). Every adapter is checked before the engine sees it: its `adapter_config.json`
-must parse, its rank `r` must fit `max_lora_rank`, and its `base_model_name_or_path`, when both
-it and the served base are known, must name the same model. Shapes that still do not fit (an
-adapter for another architecture without a base named) are found by vLLM when it loads the
-weights, and reported as the client's 400 as well.
+runtime together). Only what cannot load is refused: a config that does not parse, a rank `r`
+above `max_lora_rank` (checked here, before the engine), and weights whose target modules or
+shapes do not fit the model (found by vLLM when it loads them): a 400 for an adapter loaded at
+runtime, a start-up error naming BUNDLE_LORA_MODULES for one loaded at start.
+
+An adapter's `base_model_name_or_path` is a name, not a property of its weights: fine-tunes are
+made on local copies, mirrors and renamed repositories (`meta-llama/Meta-Llama-3.1-8B-Instruct`
+is served as `meta-llama/Llama-3.1-8B-Instruct`). A base that is not recognisably the served
+model (its id, its served name, the local folder it is served from) is therefore a logged
+warning, shown on the adapter's `/v1/models` card, and never a refusal.
 
 vLLM keeps an adapter in host memory once added (`max_cpu_loras` = the catalogue's bound), so
 a request naming it never waits for a disk load, and every load error surfaces at load time,
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from shared.engine.lora_sources import CONFIG_NAME, fetch_adapter
+from shared.engine.tiny_model import ensure_model
 from shared.errors import InvalidRequest, ModelNotFound, NotFound
 from shared.settings import Settings
 
@@ -50,6 +56,11 @@ class Adapter:
     source: str  # what the operator or client gave (path, Hugging Face id, URL)
     rank: int
     base: str | None  # base_model_name_or_path, when the adapter names one
+    warning: str | None = None  # why its output may be wrong here (a base named unlike the served model)
+
+    def card_fields(self) -> dict[str, str | None]:
+        """What its `/v1/models` card adds to the base's: the base it names, and any warning."""
+        return {"base_model": self.base, "warning": self.warning}
 
 
 class AdapterEngine(Protocol):
@@ -82,15 +93,49 @@ def read_adapter_config(path: Path, source: str) -> tuple[int, str | None]:
     return rank, str(base) if base else None
 
 
-def same_base(adapter_base: str, served: str) -> bool:
-    """Whether an adapter trained on `adapter_base` fits the served model `served`. Ids and
-    paths are compared by their last part too: an adapter for "meta-llama/Meta-Llama-3-8B" fits
-    a copy of it at /models/Meta-Llama-3-8B."""
+# A Hugging Face cache folder of a model: .../models--<owner>--<name>/snapshots/<revision>.
+_HUB_CACHE_FOLDER = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)(?:/snapshots/[^/]+)?/?$")
 
-    def tail(name: str) -> str:
-        return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
-    return adapter_base.rstrip("/") == served.rstrip("/") or tail(adapter_base) == tail(served)
+def served_model_names(settings: Settings) -> tuple[str, ...]:
+    """Every name the served model goes by: BUNDLE_MODEL, the served name, and the local folder
+    the engine loads it from (the tiny model's build folder, as `shared.engine.vllm.
+    resolve_model_path` gives it; a local BUNDLE_MODEL resolved)."""
+    names = [settings.model, settings.model_name]
+    if settings.uses_tiny_model:
+        names.append(str(ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed)))
+    elif Path(settings.model).is_dir():
+        names.append(str(Path(settings.model).resolve()))
+    return tuple(dict.fromkeys(names))
+
+
+def same_model(adapter_base: str, served: str) -> bool:
+    """Whether the name `adapter_base` recognisably means the served model `served`: the same
+    id or path (a Hugging Face cache folder read as its id, links resolved), or the same last
+    part ("meta-llama/Meta-Llama-3-8B" and a copy at /models/Meta-Llama-3-8B)."""
+    base_id, served_id = _model_id(adapter_base), _model_id(served)
+    return base_id == served_id or base_id.rsplit("/", 1)[-1] == served_id.rsplit("/", 1)[-1]
+
+
+def _model_id(name: str) -> str:
+    name = name.strip().rstrip("/")
+    hub = _HUB_CACHE_FOLDER.search(name)
+    if hub:
+        return f"{hub.group(1)}/{hub.group(2)}".lower()
+    if name.startswith(("/", ".", "~")):
+        name = str(Path(name).expanduser().resolve())
+    return name.lower()
+
+
+def base_warning(name: str, base: str | None, settings: Settings) -> str | None:
+    """A warning when the adapter names a base that is not recognisably the served model."""
+    if base is None or any(same_model(base, served) for served in served_model_names(settings)):
+        return None
+    return (
+        f"adapter {name!r} names {base!r} as its base model, not the served model {settings.model!r}: "
+        "it loads since its shapes fit, but its output is right only if that is the same model "
+        "under another name"
+    )
 
 
 def prepare_adapter(name: str, source: str, lora_id: int, settings: Settings) -> Adapter:
@@ -104,16 +149,19 @@ def prepare_adapter(name: str, source: str, lora_id: int, settings: Settings) ->
             param="lora_path",
             code="lora_rank_too_high",
         )
-    if base is not None and not any(
-        same_base(base, served) for served in (settings.model, settings.model_name)
-    ):
-        raise InvalidRequest(
-            f"adapter {name!r} was trained on {base!r}, not on the served model {settings.model!r} "
-            "(if it is the same model under another name, set BUNDLE_SERVED_MODEL_NAME to that name)",
-            param="lora_path",
-            code="lora_base_mismatch",
-        )
-    return Adapter(name, lora_id, path, source, rank, base)
+    return Adapter(name, lora_id, path, source, rank, base, base_warning(name, base, settings))
+
+
+def _log_loaded(adapter: Adapter) -> None:
+    log.info(
+        "LoRA adapter %s (rank %d, id %d) loaded from %s",
+        adapter.name,
+        adapter.rank,
+        adapter.lora_id,
+        adapter.source,
+    )
+    if adapter.warning:
+        log.warning("%s", adapter.warning)
 
 
 def check_name(name: str, settings: Settings) -> None:
@@ -135,10 +183,15 @@ async def load_static(settings: Settings, engine: AdapterEngine) -> list[Adapter
         )
     loaded = []
     for lora_id, (name, source) in enumerate(settings.lora_modules.items(), start=1):
-        check_name(name, settings)
-        adapter = await asyncio.to_thread(prepare_adapter, name, source, lora_id, settings)
-        await engine.add_adapter(adapter)
-        log.info("LoRA adapter %s (rank %d) loaded from %s", name, adapter.rank, source)
+        try:
+            check_name(name, settings)
+            adapter = await asyncio.to_thread(prepare_adapter, name, source, lora_id, settings)
+            await engine.add_adapter(adapter)
+        except InvalidRequest as exc:  # the operator's error: say where it came from
+            raise InvalidRequest(
+                f"BUNDLE_LORA_MODULES: {name}={source}: {exc.message}", param=exc.param, code=exc.code
+            ) from exc
+        _log_loaded(adapter)
         loaded.append(adapter)
     return loaded
 
@@ -199,7 +252,7 @@ class Adapters:
         await self._engine.add_adapter(adapter)
         self._by_name[name] = adapter
         self._last_used[name] = time.monotonic()
-        log.info("LoRA adapter %s (rank %d, id %d) loaded from %s", name, adapter.rank, lora_id, source)
+        _log_loaded(adapter)
         return adapter
 
     async def unload(self, name: str) -> Adapter:

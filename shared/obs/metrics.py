@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import SummaryMetricFamily
@@ -178,6 +178,18 @@ class Metrics:
                 return math.nan
 
         self.engine_running_requests.set_function(read)
+
+    def show_engine_features(self, paths: Iterable[tuple[str, str]]) -> None:
+        """Which path each vLLM feature check took at start (shared/engine/vllm_features.py): one
+        series per (feature, path) pair, set to 1, so a fleet on mixed releases can be told apart."""
+        features = Gauge(
+            "bundle_engine_features",
+            "The path each vLLM feature check took at start (1 per feature and path).",
+            ["feature", "path"],
+            registry=self.registry,
+        )
+        for feature, path in paths:
+            features.labels(feature, path).set(1)
 
     def watch_engine_outputs(self, timings: OutputTimings) -> None:
         """The engine's step outputs: how long they waited for the API process and how long it

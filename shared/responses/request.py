@@ -149,6 +149,13 @@ class ResponsesRequest(_Strict):
     include: list[Includable] | None = Field(None, max_length=16)
     truncation: Literal["disabled"] = "disabled"
     reasoning: NoReasoning | None = None
+    # Accepted and ignored (docs/responses.md): they steer OpenAI's prompt cache or its abuse
+    # monitoring, never the output. vLLM's prefix caching needs no asking: on by default, it
+    # reuses a cached prefix for as long as the KV cache has room for it, whatever retention a
+    # request names.
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    safety_identifier: str | None = Field(None, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod
@@ -192,8 +199,23 @@ def _unsupported(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(message, param=param, code="unsupported_parameter")
 
 
+# OpenAI options that would change what the model reads, refused by name with the reason (an
+# unknown parameter's 400 would not say what to send instead).
+NOT_HONOURED = {
+    "conversation": "conversations are not kept here; send previous_response_id, or the history as input",
+    "prompt": "stored prompt templates are not kept here; send instructions and input",
+    # OpenAI compacts the context once it passes `compact_threshold` (the model then reads a
+    # summary, and a compaction item joins the output). Here the whole input always reaches the
+    # model, or the request is a 400 when it is too long, as with truncation 'auto'.
+    "context_management": "no context compaction here; the whole input reaches the model",
+}
+
+
 def _check_options(data: dict[str, Any]) -> None:
     """The options OpenAI has that this server cannot honour, refused by name."""
+    for name, why in NOT_HONOURED.items():
+        if name in data:
+            raise _unsupported(name, f"{name} is not supported: {why}")
     include = data.get("include")
     if isinstance(include, list) and NOT_YET_INCLUDED in include:
         raise _unsupported(
