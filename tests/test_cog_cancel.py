@@ -33,7 +33,7 @@ from .cog_server import (
 )
 
 AT_ONCE = 20
-HOSTILE_ROUNDS = 2  # in `make test`; bench/cog_cancel.py runs 10 rounds without holds, for figures
+HOSTILE_ROUNDS = 10  # 200 pairs, a few seconds: the generations are held; bench/cog_cancel.py: figures
 INPUTS = {"prompt": "tell me a long story", "max_tokens": 256, "temperature": 1.0}
 WITHIN_S = 60.0  # bounds for things that take well under a second on an idle machine
 # What coglet's worker logs for each `Cancel` it gets (coglet-python/src/worker_bridge.rs and
@@ -197,6 +197,9 @@ async def _hostile_round(server: CogServer, log: CoordinatedLog, name: str) -> s
         answers = await asyncio.gather(*(_put_then_cancel(client, hooks, p) for p in predictions))
         last_cancel = time.time()
         assert all(answer == (202, 200) for answer in answers), answers
+        # Coglet answers a cancel before its orchestrator sends it on: first every one is sent,
+        # then every one sent is handled by the worker.
+        await until(lambda: log.sent_for(predictions), WITHIN_S, "coglet sent every cancel to its worker")
         await until(log.every_cancel_handled, WITHIN_S, "coglet's worker handled every cancel it was sent")
         await until(lambda: all(_settled(holds, hooks, p) for p in predictions), WITHIN_S, "all settled")
         dropped = [p for p in predictions if hooks.terminal(p) is None]
@@ -219,9 +222,9 @@ async def _hostile_round(server: CogServer, log: CoordinatedLog, name: str) -> s
     slowest = max(left, default=0.0)
     assert slowest < WITHIN_S  # the figure that matters (within 1 s) is bench/cog_cancel.py's
     return (
-        f"{name}: {AT_ONCE} PUT+cancel; {len(reached)} reached the runner, the last generation left "
-        f"{slowest:.2f} s after the last cancel; {len(dropped)} dropped by coglet before the runner "
-        f"(its worker logged {dropped_by_coglet} dropped cancels), ended by a second cancel"
+        f"{name}: {AT_ONCE} PUT+cancel; {len(reached)} reached the runner (the last generation "
+        f"left {slowest:+.2f} s from the last cancel's answer); {len(dropped)} dropped by coglet "
+        f"(its worker logged {dropped_by_coglet} dropped cancels), each ended by a second cancel"
     )
 
 
@@ -254,6 +257,11 @@ class CoordinatedLog:
     def _count(self, needles: tuple[str, ...]) -> int:
         text = self.path.read_text(errors="replace")
         return sum(len(re.findall(re.escape(needle), text)) for needle in needles)
+
+    def sent_for(self, predictions: list[str]) -> bool:
+        """Whether the orchestrator sent a cancel to the worker for each of `predictions`."""
+        text = self.path.read_text(errors="replace")
+        return all(any(f'{sent},"prediction_id":"{p}"' in text for sent in SENT) for p in predictions)
 
     def every_cancel_handled(self) -> bool:
         return self._count(SENT) == self._count(DROPPED) + self._count(DELIVERED)
