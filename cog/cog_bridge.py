@@ -1,8 +1,8 @@
 """Core-side helpers for the Cog runner (`cog/predict.py`); this module imports without cog.
 
 The runner only translates: Cog inputs -> an OpenAI request (`request_from_inputs`), the
-core's generation -> a plain iterator of text pieces (`stream_text`), coglet's cancel -> an engine
-abort (`install_coglet_cancel_hook`), coglet's health check -> `Engine.healthy`.
+core's generation -> a plain iterator of text pieces (`stream_text`), left whenever the prediction's
+cancel signal fires (cog/cog_cancel.py), coglet's health check -> `Engine.healthy`.
 
 Threads, because that is how coglet 0.23.1 runs an async runner: every async `run()` (and the
 async `setup()` that opened the engine) runs on ONE asyncio loop in the worker. A `run()` that
@@ -18,15 +18,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import logging
 import re
-import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
+from cog_cancel import CancelSignal, plain_submit
 
 from shared.engine.weights import resolve_weights
 from shared.errors import BundleError, Cancelled, EngineUnavailable, InvalidRequest
@@ -303,130 +303,49 @@ def cog_input_names(*, template: bool = False) -> Iterator[None]:
         raise to_cog_error(exc, template=template) from exc.__cause__
 
 
-# --- coglet's cancel -> the prediction ------------------------------------------------------
-# Why a hook at all: for an async run() coglet 0.23.1 implements POST /predictions/{id}/cancel
-# as `.cancel()` on the concurrent.futures.Future it got from
-# `asyncio.run_coroutine_threadsafe(_ctx_wrapper(run(...)), loop)`. Once run() has returned its
-# generator that future is already done, so the cancel is a no-op for user code: coglet neither
-# closes nor throws into the generator and keeps iterating it to the end (measured: 40 of 40
-# items after a cancel at 0.6 s; status "canceled" only at the end). Nor does it call any
-# `cancel` method of the runner. The only seam is that coglet looks `run_coroutine_threadsafe`
-# up on the asyncio module at call time, so we wrap it: for coglet's own wrapper coroutine we
-# (1) submit it in a context carrying a fresh `CancelSignal` (the task, hence run(), inherits
-# that context) and (2) wrap the returned future's `.cancel` to fire the signal first.
-#
-# FRAGILE by nature: it depends on coglet internals (the function it calls, the name of its
-# wrapper coroutine, the fact that it cancels through that future). Every assumption is checked
-# and a broken one is logged as a warning; the effect is then only that a cancelled prediction's
-# engine request runs to its end, as it would with no hook at all. Remove this when coglet
-# propagates cancellation to generators (see docs/cog.md).
-COGLET_RUN_WRAPPER = "_ctx_wrapper"
-
-
-class CancelSignal:
-    """Fired once from coglet's thread; callbacks added after firing run at once."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        self.fired = False
-
-    def add(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self.fired:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def fire(self) -> None:
-        with self._lock:
-            if self.fired:
-                return
-            self.fired = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # a failing callback must not break coglet's cancel path
-                log.exception("cancel callback failed")
-
-
-_current_signal: contextvars.ContextVar[CancelSignal | None] = contextvars.ContextVar(
-    "bundle_cog_cancel_signal", default=None
-)
-_hook_state = {"installed": False, "warned": False}
-_plain_submit = asyncio.run_coroutine_threadsafe
-
-
-def install_coglet_cancel_hook() -> bool:
-    """Wrap asyncio.run_coroutine_threadsafe once; False (and a warning) if it can't be done."""
-    if _hook_state["installed"]:
-        return True
-    if asyncio.run_coroutine_threadsafe is not _plain_submit:
-        log.warning(
-            "asyncio.run_coroutine_threadsafe is already replaced by someone else; Cog cancel "
-            "will not abort engine requests early"
-        )
-        return False
-    asyncio.run_coroutine_threadsafe = _submit_with_cancel_signal  # type: ignore[assignment]
-    _hook_state["installed"] = True
-    return True
-
-
-def _submit_with_cancel_signal(
-    coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop
-) -> concurrent.futures.Future[Any]:
-    if getattr(getattr(coro, "cr_code", None), "co_name", None) != COGLET_RUN_WRAPPER:
-        return _plain_submit(coro, loop)  # not coglet submitting a run(): untouched
-    signal = CancelSignal()
-    context = contextvars.copy_context()
-    context.run(_current_signal.set, signal)
-    # call_soon_threadsafe copies the *calling* context and the task copies that: run() sees it.
-    future = context.run(_plain_submit, coro, loop)
-    plain_cancel = future.cancel
-
-    def cancel() -> bool:
-        signal.fire()
-        return plain_cancel()
-
-    future.cancel = cancel  # type: ignore[method-assign]
-    return future
-
-
-def current_cancel_signal(*, under_coglet: bool) -> CancelSignal | None:
-    """This run()'s signal; None (with one warning) when coglet did not go through the hook."""
-    signal = _current_signal.get()
-    if signal is None and under_coglet and not _hook_state["warned"]:
-        _hook_state["warned"] = True
-        log.warning(
-            "coglet did not submit run() through asyncio.run_coroutine_threadsafe(%s(...)) as "
-            "coglet 0.23.1 does (hook installed: %s); POST /predictions/{id}/cancel will not "
-            "abort the engine request, which then runs to its end",
-            COGLET_RUN_WRAPPER,
-            _hook_state["installed"],
-        )
-    return signal
-
-
 # --- a generation as a blocking iterator ------------------------------------------------------
 async def start_generation(
-    service: Service, body: ChatCompletionRequest | CompletionRequest, request_id: str | None
+    service: Service,
+    body: ChatCompletionRequest | CompletionRequest,
+    request_id: str | None,
+    signal: CancelSignal | None = None,
 ) -> Subscription:
     """Open (or re-attach to, same request_id) a generation and wait until its prompt passed
     every check (bad input raises here, naming the Cog input: a failed prediction); run on the
-    engine's loop."""
+    engine's loop. From the moment it is opened, the prediction's cancel `signal` leaves it
+    (aborted unless another prediction or client still reads it), wherever run() then is."""
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     with cog_input_names(template=kind == "completion"):
         _check_engine_alive(service)
-        # Through the one door: with BUNDLE_REDIS_URL a request_id that another instance (Cog or
-        # HTTP) claimed follows that generation, as an HTTP request does.
-        subscription = await service.open(kind, body, request_id or None)
+        subscription = await _open_to_the_end(service, kind, body, request_id or None)
+        if signal is not None:
+            loop = asyncio.get_running_loop()
+            signal.add(lambda: _leave_later(loop, subscription))
         try:
             await subscription.admitted()
-        except BaseException:
-            subscription.close()
+        except BaseException:  # refused, or cancelled while a long prompt was rendered
+            subscription.abandon()
             raise
     return subscription
+
+
+async def _open_to_the_end(
+    service: Service, kind: Kind, body: ChatCompletionRequest | CompletionRequest, request_id: str | None
+) -> Subscription:
+    """`service.open`, carried to its end even when the prediction is cancelled meanwhile: cut
+    half-way, a claim in a shared store could stay with nothing behind it, or a generation could
+    start that no reader holds. What it opens after a cancel is left at once instead."""
+    opening = asyncio.ensure_future(service.open(kind, body, request_id))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_leave_opened)
+        raise
+
+
+def _leave_opened(opening: asyncio.Future[Subscription]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().abandon()
 
 
 async def _next(pieces: AsyncIterator[str]) -> str:
@@ -445,6 +364,28 @@ def stream_text(
     cancelled: Callable[[], BaseException],
     signal: CancelSignal | None = None,
     record: Callable[[str, int], None] | None = None,
+) -> Iterator[str]:
+    """The generation's text as a plain iterator for coglet's slot thread (`_text_pieces`), which
+    leaves the generation if it is dropped without being read to its end."""
+    pieces = _text_pieces(subscription, loop, cancelled, signal, record)
+    # A generator that never started has no `finally` to run: dropped unread (coglet failed the
+    # prediction before iterating it), it would leave the generation running for nobody.
+    finalizer = weakref.finalize(pieces, _leave_later, loop, subscription)
+    finalizer.atexit = False
+    return pieces
+
+
+def _leave_later(loop: asyncio.AbstractEventLoop, subscription: Subscription) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+        loop.call_soon_threadsafe(subscription.abandon)  # a no-op once the reader has closed
+
+
+def _text_pieces(
+    subscription: Subscription,
+    loop: asyncio.AbstractEventLoop,
+    cancelled: Callable[[], BaseException],
+    signal: CancelSignal | None,
+    record: Callable[[str, int], None] | None,
 ) -> Iterator[str]:
     """Yield the generation's text as it grows; run in a thread other than `loop`'s.
 
@@ -468,7 +409,7 @@ def stream_text(
         while True:
             if signal is not None and signal.fired:
                 raise cancelled()
-            waiting[:] = [_plain_submit(_next(pieces), loop)]
+            waiting[:] = [plain_submit(_next(pieces), loop)]
             if signal is not None and signal.fired:  # fired before the wait was listed
                 waiting[0].cancel()
             try:
@@ -481,7 +422,7 @@ def stream_text(
             yield piece
     finally:
         loop.call_soon_threadsafe(subscription.close if complete else subscription.abandon)
-        _plain_submit(_close(pieces), loop)  # fire and forget: nothing waits on it
+        plain_submit(_close(pieces), loop)  # fire and forget: nothing waits on it
         if record is not None:
             record_token_counts(subscription, record)
 

@@ -12,8 +12,10 @@ How streaming AND concurrency work on cog/coglet 0.23.1 (the pinned version):
   moment it is yielded. The generator waits for each piece with
   `run_coroutine_threadsafe(...).result()`, which parks only that slot thread (GIL released), so
   N predictions stream side by side while the loop keeps serving the engine.
-- Cancel: coglet does not tell the generator; `cog_bridge.install_coglet_cancel_hook`
-  intercepts coglet's cancel and aborts the engine request (fragile, checked, explained there).
+- Cancel: coglet does not tell the generator, and a cancel that comes while run() is being
+  submitted or is returning used to leave its generation running; `cog_cancel` intercepts
+  coglet's cancel whenever it comes and aborts the engine request (fragile, checked, explained
+  there, with the one window only coglet can close).
 
 dtype: on this bundle's CPU test machine an engine in bf16 started under coglet dies with SIGILL
 at its first forward pass (the CPU has AMX, which Linux grants per process on request; inside
@@ -46,13 +48,14 @@ from collections.abc import Iterator
 
 import child_output
 import cog_bridge as bridge
+import cog_cancel
 import coglet
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
 from shared.assembly import start_service
 
-bridge.install_coglet_cancel_hook()  # before coglet submits the first run()
+cog_cancel.install_coglet_cancel_hook()  # before coglet submits the first run()
 # Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
 # log (coglet's own stream objects die with fork; why in cog/child_output.py).
 child_output.give_forked_children_plain_streams(under_coglet=coglet.server.active)
@@ -165,7 +168,7 @@ class Runner(BaseRunner):
             "loaded at start; downloaded once per container. Empty: the base model.",
         ),
     ) -> ConcatenateIterator[str]:
-        signal = bridge.current_cancel_signal(under_coglet=coglet.server.active)
+        signal = cog_cancel.current_cancel_signal(under_coglet=coglet.server.active)
         scope = self.scope  # this prediction's; the generator below ends in coglet's slot thread
         for key, value in bridge.engine_metrics(self.service).items():
             scope.record_metric(key, value)
@@ -187,8 +190,9 @@ class Runner(BaseRunner):
             tools=tools,
         )
         body = await bridge.with_adapter(self.service, body, lora)
-        # Bad input raises a BundleError here: coglet turns it into a failed prediction.
-        subscription = await bridge.start_generation(self.service, body, request_id)
+        # Bad input raises a BundleError here: coglet turns it into a failed prediction. From
+        # here on a cancel leaves the generation, wherever this run() is when it comes.
+        subscription = await bridge.start_generation(self.service, body, request_id, signal)
         pieces: Iterator[str] = bridge.stream_text(
             subscription, self.loop, CancelationException, signal, record=scope.record_metric
         )

@@ -6,7 +6,8 @@
   Kubernetes) replaces it instead of keeping a process that can only refuse.
 - Shutdown: after SIGTERM the running streams get `shutdown_grace_s` to finish, then end with a
   `ShuttingDown` error event (send it again under a new X-Request-Id: the old one replays this
-  end), distinct from engine death. New requests get 503 (retry with the same id: nothing ran).
+  end), distinct from engine death. The listener closes at once (shared/http/process.py); a
+  request that got in before that gets 503 (retry with the same id: nothing ran).
   When the whole process group is signalled, vLLM's engine core stops at the same moment; the
   engine's failure then is part of the shutdown, and clients are told so, not that it "died".
 """

@@ -214,6 +214,10 @@ class Service:
         """A request refused before it reached the engine, by its HTTP status."""
         self.metrics.rejected_requests.labels(str(status)).inc()
 
+    def count_direct_write_fallback(self, reason: str) -> None:
+        """A stream chunk that went through the server's send instead of a direct write, and why."""
+        self.metrics.direct_write_fallbacks.labels(reason).inc()
+
     async def watch_loop_lag(self) -> None:
         """Until cancelled: how late this event loop runs (shared/obs/loop_lag.py)."""
         await watch_loop_lag(self.metrics.event_loop_lag)

@@ -185,12 +185,12 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     settings = service.settings
     pacing = service.events_per_write if service.pairs_writes else None
     coalesce_s = settings.stream_coalesce_ms / 1000
-    direct = settings.stream_direct_writes
+    fallback = service.count_direct_write_fallback if settings.stream_direct_writes else None
 
     def events(write_now: WriteNow | None) -> AsyncIterator[bytes]:
-        return subscription.events(coalesce_s, pacing, write_now if direct else None)
+        return subscription.events(coalesce_s, pacing, write_now)
 
-    return EventStreamResponse(events, headers={**SSE_HEADERS, **headers})
+    return EventStreamResponse(events, headers={**SSE_HEADERS, **headers}, direct_write_fallback=fallback)
 
 
 def _last_event_id(request: Request) -> int | None:

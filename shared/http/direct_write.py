@@ -12,7 +12,11 @@ complete, the client connected and the transport not asking for back-pressure. `
 frames the chunk as uvicorn's `send` frames a body message with more to come, queues it and says
 True; in any other state it queues nothing and says False, and the chunk goes through `send` as
 usual (which waits for a slow client). Any other server (h11, Modal's ASGI runner, test clients)
-gets no direct write at all.
+gets no direct write at all. Each fall-back to `send` is reported with its reason (`on_fallback`,
+the `bundle_direct_write_fallbacks_total` metric): `server` (no direct write on this server, once
+per stream), `disconnected`, `paused` (back-pressure), `not_started`, `complete`, `not_chunked`.
+An empty chunk is written as nothing (and said True): framed, it would be `0\r\n\r\n`, the end
+of a chunked body, where uvicorn's own `send` writes nothing for it.
 
 The queued chunks of every connection go to their transports together, in one callback at the
 start of the event loop's next turn: written as each is made instead, the writes of one engine
@@ -25,6 +29,7 @@ its reader with `call_soon`, behind this callback).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Send
@@ -34,32 +39,47 @@ from shared.identity.replay import WriteNow
 # Where uvicorn keeps one request's response state; checked by name, so that nothing is imported
 # from a protocol module this server may not be running.
 _UVICORN_HTTPTOOLS_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
+Fallback = Callable[[str], None]  # told the reason each time a chunk must go through `send`
 
 
-def direct_write(send: Send) -> WriteNow | None:
+def direct_write(send: Send, on_fallback: Fallback = lambda reason: None) -> WriteNow | None:
     """The direct write for the connection behind `send` (the server's own ASGI send, not a
-    middleware's wrapper), or None where the server offers none we can use safely."""
+    middleware's wrapper), or None where the server offers none we can use safely. Every time
+    a chunk must go through `send` instead, `on_fallback(reason)` is told why."""
     cycle = getattr(send, "__self__", None)
     kind = type(cycle)
     if (kind.__module__, kind.__name__) != _UVICORN_HTTPTOOLS_CYCLE:
+        on_fallback("server")
         return None
-    return _chunk_writer(cycle)
+    return _chunk_writer(cycle, on_fallback)
 
 
-def _chunk_writer(cycle: Any) -> WriteNow:
+def _chunk_writer(cycle: Any, on_fallback: Fallback) -> WriteNow:
     def write_now(chunk: bytes) -> bool:
-        if (
-            cycle.disconnected
-            or cycle.flow.write_paused
-            or not cycle.response_started
-            or cycle.response_complete
-            or not cycle.chunked_encoding
-        ):
+        refusal = _refusal(cycle)
+        if refusal is not None:
+            on_fallback(refusal)
             return False
-        _queue(cycle.transport, b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        if chunk:  # framed, an empty chunk would end the body (module docstring)
+            _queue(cycle.transport, b"%x\r\n%s\r\n" % (len(chunk), chunk))
         return True
 
     return write_now
+
+
+def _refusal(cycle: Any) -> str | None:
+    """Why this response's chunk cannot go on its connection now; None when it can."""
+    if cycle.disconnected:
+        return "disconnected"
+    if cycle.flow.write_paused:
+        return "paused"
+    if not cycle.response_started:
+        return "not_started"
+    if cycle.response_complete:
+        return "complete"
+    if not cycle.chunked_encoding:
+        return "not_chunked"
+    return None
 
 
 # Per event loop (tests run several), the chunks waiting for the next turn's flush; an entry

@@ -1,9 +1,11 @@
 """One server process: uvicorn with the bundle's bounds, a bounded drain, and an honest exit code.
 
-- SIGTERM/SIGINT: uvicorn stops accepting and waits for open responses; the app's `Lifecycle`
-  starts its grace timer at the same moment, so streams still running at `shutdown_grace_s` end
-  with a "server shutting down" error event instead of being cut by the platform's kill.
-  uvicorn then re-raises the signal, so the process ends the way the signal asked.
+- SIGTERM/SIGINT: uvicorn closes the listening socket at once (new connections are refused) and
+  waits for open responses; the app's `Lifecycle` starts its grace timer at the same moment, so
+  streams still running at `shutdown_grace_s` end with a "server shutting down" error event
+  instead of being cut by the platform's kill. Once the drain and the engine's stop are over the
+  process exits 0: the drain it was asked for is done. (uvicorn would raise the signal again at
+  its end instead, and the process would die of it rather than say how it ended.)
 - A dead engine: the app asks this server to exit (after in-flight streams got their error
   events), and the process exits with `ENGINE_DEAD_EXIT_CODE` so a supervisor replaces it.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -55,7 +57,8 @@ def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | 
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server that also tells the app when a shutdown signal arrives."""
+    """uvicorn's server that also tells the app when a shutdown signal arrives, and ends a drain
+    with an exit code instead of the signal (module docstring)."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
         super().__init__(config)
@@ -67,3 +70,11 @@ class DrainingServer(uvicorn.Server):
         # drain on the loop rather than touch its state from here.
         with contextlib.suppress(RuntimeError):  # no loop running (yet or any more): nothing to drain
             asyncio.get_running_loop().call_soon(self._on_signal)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn raises each signal it captured again as this block ends, now with the
+            # default handler: the signal it took for a drain would kill the process at its end.
+            self._captured_signals.clear()

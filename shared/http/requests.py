@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, UnsupportedMediaType
-from shared.http.direct_write import direct_write
+from shared.http.direct_write import Fallback, direct_write
 from shared.identity.replay import WriteNow
 from shared.service import Service
 from shared.settings import Settings
@@ -78,18 +78,23 @@ class EventStreamResponse(StreamingResponse):
     server's own `send` (`BundleApp` keeps it in the scope), past the send wrappers of
     Starlette's and FastAPI's error handling: those only watch for `http.response.start`, which
     still goes through them, and pass every body message on unchanged. Given `OpenEvents`
-    instead of the chunks, it opens them with that server's direct write (direct_write.py),
-    so that most chunks skip even that `send`.
+    instead of the chunks and a `direct_write_fallback` (direct writes on), it opens them with
+    that server's direct write (direct_write.py), so that most chunks skip even that `send`;
+    each chunk that cannot is counted by its reason.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncIterator[bytes] | OpenEvents, headers: Mapping[str, str] | None = None
+        self,
+        events: AsyncIterator[bytes] | OpenEvents,
+        headers: Mapping[str, str] | None = None,
+        direct_write_fallback: Fallback | None = None,
     ) -> None:
         # Not StreamingResponse's own: the body may only be opened in __call__, where the
         # server's send is known. The rest of what it sets, set here.
         self._events = events
+        self._fallback = direct_write_fallback  # None: opened without a direct write
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -97,7 +102,11 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_send: Send = scope.get(SERVER_SEND_KEY, send)
         events = self._events
-        self.body_iterator = events(direct_write(body_send)) if callable(events) else events
+        if callable(events):
+            write_now = None if self._fallback is None else direct_write(body_send, self._fallback)
+            self.body_iterator = events(write_now)
+        else:
+            self.body_iterator = events
         streamer = asyncio.create_task(self._stream_quietly(send, body_send))
         listener = asyncio.create_task(self.listen_for_disconnect(receive))
         try:

@@ -106,6 +106,13 @@ class Metrics:
             ["status"],
             registry=r,
         )
+        self.direct_write_fallbacks = Counter(
+            "bundle_direct_write_fallbacks",
+            "Stream chunks that went through the server's send instead of a direct write, by reason "
+            "(shared/http/direct_write.py); `server`: once per stream where the server offers none.",
+            ["reason"],
+            registry=r,
+        )
         self._add_store_metrics(r)
         self._add_model_metrics(r)
 
