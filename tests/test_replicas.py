@@ -29,6 +29,7 @@ from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
 from shared.identity.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import free_port, long_chat
+from tests.gate import Gate
 from tests.real_server import ServerProcess, kill_engine_core_mid_stream
 from tests.redis_server import RedisServer
 from tests.test_api import sse_events
@@ -52,6 +53,7 @@ class Replica:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    gate: Gate  # holds this replica's generations (tests/gate.py)
 
     def kill(self) -> None:
         """Die like a crashed container: no shutdown, no last words to the store."""
@@ -61,20 +63,23 @@ class Replica:
 
 
 def _start(redis_url: str, log: Path) -> Replica:
+    """The real server, its engine behind a gate whose control folder sits beside its log."""
     port = free_port()
     env = {**os.environ, **REPLICA_ENV, "BUNDLE_REDIS_URL": redis_url, "BUNDLE_PORT": str(port)}
+    gate_dir = log.with_suffix(".gate")
+    gate_dir.mkdir()
     with log.open("wb") as out:
         # Its own process group, so killing it takes its engine process along; the same session
         # as the test, so the kernel schedules it with the test (no autogroup of its own).
         process = subprocess.Popen(
-            [sys.executable, "-m", "shared.serve"],
+            [sys.executable, "-m", "tests.gated_serve", "--gate-dir", str(gate_dir)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
         )
-    return Replica(f"http://127.0.0.1:{port}", process, log)
+    return Replica(f"http://127.0.0.1:{port}", process, log, Gate(gate_dir))
 
 
 @pytest.fixture(scope="module")
