@@ -91,6 +91,17 @@ class LiveServers:
         self.call(start())
         return f"http://127.0.0.1:{port}", app.state.service
 
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """vLLM's scheduler paused for the block (mode "keep"): requests sent meanwhile wait in its
+        queue and all start in the first step after it; resumed however the block ends."""
+        llm = self.engine.llm  # type: ignore[attr-defined]
+        self.call(llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            yield
+        finally:
+            self.call(llm.resume_generation())
+
     def close(self) -> None:
         async def stop() -> None:
             for server in self._servers:
