@@ -180,7 +180,7 @@ class SpreadingTransport(CuttingTransport):
         target = self.urls[self.sent % len(self.urls)]
         self.sent += 1
         request.url = request.url.copy_with(host=target.host, port=target.port)
-        self.after_reads = self.rng.randint(1, 6)
+        self.after_events = self.rng.randint(1, 6)
         return await super().handle_async_request(request)
 
 
