@@ -64,6 +64,7 @@ class LiveServers:
         engine = self.call(self._stack.enter_async_context(engine_factory(engine_settings)))
         self.engine: Engine = GatedEngine(engine, self.gate_dir)
         self._servers: list[uvicorn.Server] = []
+        self._serving: list[asyncio.Task[None]] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -84,7 +85,7 @@ class LiveServers:
         self._servers.append(server)
 
         async def start() -> None:
-            self.loop.create_task(server.serve())
+            self._serving.append(self.loop.create_task(server.serve()))
             while not server.started:
                 await asyncio.sleep(0.01)
 
@@ -106,7 +107,10 @@ class LiveServers:
         async def stop() -> None:
             for server in self._servers:
                 server.should_exit = True
-            await asyncio.sleep(0.3)
+            # Each app's shutdown (its service, its store clients) ends before the engine stops
+            # and the loop with it: a fixed pause left some mid-way on a busy machine.
+            if self._serving:
+                await asyncio.wait(self._serving, timeout=60)
             await self._stack.aclose()
 
         with contextlib.suppress(Exception):
