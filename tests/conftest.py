@@ -3,6 +3,9 @@
 The engine lives on an event loop in a background thread. Each test that needs different API
 settings (an API key, a small in-flight cap, a short grace window) gets its own app and uvicorn
 server on that same loop, all sharing the one engine, so the suite starts vLLM once.
+
+The engine is wrapped in the test gate (tests/gate.py): a test that needs a generation still
+running takes the `gate` fixture and holds it; every other generation passes untouched.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -23,6 +29,7 @@ from shared.engine.vllm import Engine, open_engine
 from shared.http.api import create_app
 from shared.service import Service
 from shared.settings import Settings
+from tests.gate import Gate, GatedEngine
 from tests.redis_server import redis_server  # noqa: F401  (fixture: a real Redis-protocol server)
 
 if TYPE_CHECKING:
@@ -53,8 +60,11 @@ class LiveServers:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._stack = contextlib.AsyncExitStack()
-        self.engine: Engine = self.call(self._stack.enter_async_context(engine_factory(engine_settings)))
+        self.gate_dir = Path(tempfile.mkdtemp(prefix="bundle-gate-"))
+        engine = self.call(self._stack.enter_async_context(engine_factory(engine_settings)))
+        self.engine: Engine = GatedEngine(engine, self.gate_dir)
         self._servers: list[uvicorn.Server] = []
+        self._serving: list[asyncio.Task[None]] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -75,24 +85,39 @@ class LiveServers:
         self._servers.append(server)
 
         async def start() -> None:
-            self.loop.create_task(server.serve())
+            self._serving.append(self.loop.create_task(server.serve()))
             while not server.started:
                 await asyncio.sleep(0.01)
 
         self.call(start())
         return f"http://127.0.0.1:{port}", app.state.service
 
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """vLLM's scheduler paused for the block (mode "keep"): requests sent meanwhile wait in its
+        queue and all start in the first step after it; resumed however the block ends."""
+        llm = self.engine.llm  # type: ignore[attr-defined]
+        self.call(llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            yield
+        finally:
+            self.call(llm.resume_generation())
+
     def close(self) -> None:
         async def stop() -> None:
             for server in self._servers:
                 server.should_exit = True
-            await asyncio.sleep(0.3)
+            # Each app's shutdown (its service, its store clients) ends before the engine stops
+            # and the loop with it: a fixed pause left some mid-way on a busy machine.
+            if self._serving:
+                await asyncio.wait(self._serving, timeout=60)
             await self._stack.aclose()
 
         with contextlib.suppress(Exception):
             self.call(stop(), timeout=60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        shutil.rmtree(self.gate_dir, ignore_errors=True)
 
 
 # Set by the Makefile's Python 3.12 run of the HTTP layer, which installs no engine: the tests
@@ -122,6 +147,15 @@ def real_start(tmp_path_factory: pytest.TempPathFactory) -> RealStart:
     from tests.real_server import start_through_the_benchmark  # it imports this module
 
     return start_through_the_benchmark(tmp_path_factory.mktemp("real-start"))
+
+
+@pytest.fixture
+def gate(live: LiveServers) -> Iterator[Gate]:
+    """Holds generations of the session's engine (tests/gate.py); whatever the test left held
+    is released when it ends, passed or failed."""
+    gate = Gate(live.gate_dir)
+    yield gate
+    gate.release_all()
 
 
 @pytest.fixture

@@ -55,6 +55,7 @@ from typing import Any
 from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
 
 POLL_S = 0.01  # how often a held generation looks for its release, and a test for the hold
+THAW_TIMEOUT_S = 60.0  # resuming a paused engine takes milliseconds; this only stops a hang
 HELD_TIMEOUT_S = 300.0  # a cold engine on the busy 2-core box; a hold usually lands in well under 1 s
 
 
@@ -152,8 +153,15 @@ class GatedEngine:
                     await asyncio.shield(self._thaw())
 
     async def _thaw(self) -> None:
-        if self._engine.healthy():  # a dead engine has nothing to resume
-            await self._engine.llm.resume_generation()  # type: ignore[attr-defined]
+        if not self._engine.healthy():  # a dead engine has nothing to resume
+            return
+        try:
+            # Bounded: a core that died a moment ago may never answer (vLLM has not noticed yet).
+            async with asyncio.timeout(THAW_TIMEOUT_S):
+                await self._engine.llm.resume_generation()  # type: ignore[attr-defined]
+        except Exception:
+            if self._engine.healthy():
+                raise
 
 
 class Hold:

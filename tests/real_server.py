@@ -1,4 +1,6 @@
-"""A real `python -m shared.serve` child process on the tiny model, for tests that end it.
+"""A real server child process on the tiny model, for tests that end it: `python -m shared.serve`
+with its engine behind the test gate (`python -m tests.gated_serve`, tests/gate.py), so a test can
+hold a generation mid-way instead of racing the engine.
 
 It runs in its own process group but NOT its own session: with the kernel's autogroup scheduling
 a new session is a new CPU group, in which vLLM's spinning engine process starves the API
@@ -27,7 +29,8 @@ import pytest
 from bench import startup
 from bench.servers import wait_healthy
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
-from tests.conftest import free_port, long_chat
+from tests.conftest import free_port, long_chat, wait_until
+from tests.gate import Gate
 
 START_TIMEOUT_S = 300  # a cold start on the busy 2-core box; ~20 s when quiet
 
@@ -37,6 +40,7 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
+    gate: Gate  # holds this server's generations
 
     def engine_core(self) -> psutil.Process:
         """vLLM's engine core: the child that titles itself EngineCore."""
@@ -61,16 +65,18 @@ def bundle_server(log_dir: Path, **settings: str) -> Iterator[ServerProcess]:
         **{f"BUNDLE_{key.upper()}": value for key, value in settings.items()},
     }
     log = log_dir / "server.log"
+    gate_dir = log_dir / "gate"
+    gate_dir.mkdir()
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "shared.serve", "--port", str(port)],
+            [sys.executable, "-m", "tests.gated_serve", "--gate-dir", str(gate_dir), "--port", str(port)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             process_group=0,
         )
-        server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
+        server = ServerProcess(process, f"http://127.0.0.1:{port}", log, Gate(gate_dir))
         try:
             try:
                 wait_healthy(server.url, process, START_TIMEOUT_S)
@@ -103,6 +109,10 @@ def act_mid_stream(
         return data_events(lines), acted
 
 
+# Engine deltas before a hold: enough for the three events `act_mid_stream` reads first (a delta
+# that completes no character carries no text and makes no event).
+HOLD_AFTER = 8
+
 # From the kill to the process's exit: the watchdog's poll (0.25 s), the signal settle (0.2 s),
 # the error flush (at most 5 s), the 503 linger (2 s), uvicorn's shutdown and the engine's; the
 # bound leaves room for a busy 2-core box.
@@ -113,10 +123,24 @@ def kill_engine_core_mid_stream(server: ServerProcess, max_tokens: int) -> float
     """SIGKILL vLLM's engine core under a running anonymous stream and check what issue 18
     asks: the stream ends with the error event and [DONE], a new request is refused with 503
     (never a 200), /health is 503, the running-requests gauge is reset, and the server exits
-    with ENGINE_DEAD_EXIT_CODE. Returns the seconds from the kill to the exit."""
-    body = long_chat(max_tokens=max_tokens)
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        rest, killed = act_mid_stream(client, body, lambda: server.engine_core().send_signal(signal.SIGKILL))
+    with ENGINE_DEAD_EXIT_CODE. Returns the seconds from the kill to the exit.
+
+    The stream is held with the engine frozen (tests/gate.py), so the request is inside vLLM
+    when its core dies, however fast the engine would have finished it."""
+    with (
+        server.gate.hold(after=HOLD_AFTER, freeze_engine=True) as held,
+        httpx.Client(base_url=server.url, timeout=60) as client,
+    ):
+        body = long_chat(max_tokens=max_tokens, messages=[{"role": "user", "content": held.prompt("go on")}])
+
+        def kill() -> None:
+            held.wait_held()
+            server.engine_core().send_signal(signal.SIGKILL)
+            # Released once the server has seen the death: the stream then meets vLLM's error.
+            wait_until(lambda: client.get("/health").status_code == 503, timeout=60)
+            held.release()
+
+        rest, killed = act_mid_stream(client, body, kill)
         assert rest[-1] == "[DONE]"
         error = orjson.loads(rest[-2])["error"]
         assert error["code"] == "engine_unavailable", error

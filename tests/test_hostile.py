@@ -6,6 +6,7 @@ the latter against the real engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -27,6 +28,7 @@ from shared.http.limits import uvicorn_options
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import free_port, long_chat, wait_until
+from tests.gate import Gate
 from tests.scripted import ScriptedEngine, settle
 
 REMOVE = object()  # a field to leave out of the valid body
@@ -554,23 +556,39 @@ def _raw_exchange(address: tuple[str, int], chunks: list[bytes], pause_s: float 
         return received
 
 
+def _sent_until_cut(address: tuple[str, int], chunks: list[bytes], pause_s: float = 0.0) -> tuple[int, bytes]:
+    """Send `chunks` until the server cuts the connection: (bytes sent, its reply)."""
+    sent = 0
+    with socket.create_connection(address, timeout=10) as sock:
+        with contextlib.suppress(OSError):  # the server closed before everything was sent
+            for chunk in chunks:
+                sock.sendall(chunk)
+                sent += len(chunk)
+                time.sleep(pause_s)
+        received = b""
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                received += data
+    return sent, received
+
+
 def test_a_64_mib_header_is_refused_with_431_before_auth(bounded_server: tuple[str, int]) -> None:
     head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: "
-    started = time.monotonic()
-    reply = _raw_exchange(bounded_server, [head] + [b"v" * 65536] * 1024)
-    took = time.monotonic() - started
+    sent, reply = _sent_until_cut(bounded_server, [head] + [b"v" * 65536] * 1024)
     assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
     assert b'"request_header_fields_too_large"' in reply
-    assert took < 5  # the old parser spent ~6 s on this before answering 401
+    # Refused at the 8 KB bound: the old parser read all 64 MiB (~6 s) before answering 401. What
+    # got through is the bound plus the sockets' buffers, whatever the machine's speed.
+    assert sent < 16 * 2**20
 
 
 def test_a_trickling_head_is_cut_with_408(bounded_server: tuple[str, int]) -> None:
     head = b"GET /health HTTP/1.1\r\nHost: x\r\n"
-    trickle = [head] + [b"X-Slow-%d: v\r\n" % i for i in range(40)]
+    trickle = [head] + [b"X-Slow-%d: v\r\n" % i for i in range(300)]
     started = time.monotonic()
     reply = _raw_exchange(bounded_server, trickle, pause_s=0.1)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-    assert time.monotonic() - started < 4  # cut at the 1 s bound, not after the 4 s trickle
+    assert time.monotonic() - started < 15  # cut at the 1 s bound, not after the 30 s trickle
 
 
 def test_a_declared_body_that_never_comes_is_cut_with_408(bounded_server: tuple[str, int]) -> None:
@@ -605,8 +623,11 @@ def test_a_body_larger_than_the_head_bound_still_passes(bounded_server: tuple[st
 
 def test_admission_is_timed_from_the_first_byte_read(bounded_server: tuple[str, int]) -> None:
     """bundle_admission_seconds starts when the protocol reads a request's first byte, not when
-    its task first runs: a head that arrives in two parts 0.3 s apart is admitted >= 0.3 s
-    after it began (the time a busy loop keeps a request waiting is counted the same way)."""
+    its task first runs: a head that arrives in two parts 0.5 s apart is admitted well after it
+    began (the time a busy loop keeps a request waiting is counted the same way). Timed from the
+    task's start it would count ~0 s; half the pause is the bound, as the server's first read may
+    come a little later than the client's send (0.2993 s was measured for a 0.3 s pause). The
+    pause stays under the fixture's 1 s head timeout."""
 
     def admissions() -> tuple[float, float]:
         with httpx.Client(base_url=f"http://{bounded_server[0]}:{bounded_server[1]}", timeout=10) as client:
@@ -622,11 +643,11 @@ def test_admission_is_timed_from_the_first_byte_read(bounded_server: tuple[str, 
         b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
     )
     seconds_before, count_before = admissions()
-    reply = _raw_exchange(bounded_server, [head[:24], head[24:] + body], pause_s=0.3)
+    reply = _raw_exchange(bounded_server, [head[:24], head[24:] + body], pause_s=0.5)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
     seconds, count = admissions()
     assert count == count_before + 1
-    assert 0.3 <= seconds - seconds_before < 10
+    assert 0.25 <= seconds - seconds_before < 10
 
 
 def _chat_head(body: bytes, *extra: bytes) -> bytes:
@@ -723,13 +744,16 @@ def test_huge_prompts_are_refused_without_stalling_a_running_stream(base_url: st
     done = threading.Event()
 
     def follow() -> None:
+        # One stream after another until the test is done: tokens flow through the whole window
+        # however fast the engine finishes a stream (a gap between two counts like any other).
         with httpx.Client(base_url=base_url, timeout=120) as client:
-            with client.stream("POST", CHAT, json=long_chat()) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        stamps.append(time.perf_counter())
-                    if done.is_set():
-                        return  # leaving aborts this anonymous generation
+            while not done.is_set():
+                with client.stream("POST", CHAT, json=long_chat()) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            stamps.append(time.perf_counter())
+                        if done.is_set():
+                            return  # leaving aborts this anonymous generation
 
     follower = threading.Thread(target=follow)
     follower.start()
@@ -771,27 +795,42 @@ def _aborted(service: Service, reason: str) -> float:
     return service.metrics.aborted_requests.labels(reason)._value.get()
 
 
+@contextlib.contextmanager
+def _left_mid_generation(base_url: str, gate: Gate, *extra_headers: bytes) -> Iterator[None]:
+    """A non-streaming client that sends a long chat and leaves (closes its connection) while the
+    generation runs: held in the engine (frozen) until the block ends, so it cannot finish first."""
+    url = httpx.URL(base_url)
+    with gate.hold(after=1, freeze_engine=True) as held:
+        messages = [{"role": "user", "content": held.prompt("tell me a long story")}]
+        body = orjson.dumps(long_chat(stream=False, messages=messages))
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n" % len(body) + b"".join(extra_headers) + b"\r\n"
+        )
+        with socket.create_connection((url.host, url.port), timeout=10) as sock:
+            sock.sendall(head + body)
+            held.wait_held()
+        yield
+
+
 def test_an_anonymous_non_streaming_client_that_leaves_aborts_its_generation(
-    base_url: str, service: Service
+    base_url: str, service: Service, gate: Gate
 ) -> None:
     before = _aborted(service, "disconnect")
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=base_url, timeout=1.0) as client:
-        client.post(CHAT, json=long_chat(stream=False))
-    wait_until(lambda: _aborted(service, "disconnect") == before + 1, timeout=10.0)
-    wait_until(lambda: service.engine.running_requests() == 0, timeout=10.0)
+    with _left_mid_generation(base_url, gate):
+        wait_until(lambda: _aborted(service, "disconnect") == before + 1, timeout=60.0)
+        wait_until(lambda: service.engine.running_requests() == 0, timeout=60.0)
 
 
 def test_a_named_non_streaming_client_that_leaves_keeps_its_grace_window(
-    base_url: str, service: Service
+    base_url: str, service: Service, gate: Gate
 ) -> None:
-    headers = {"X-Request-Id": "non-streaming-grace"}
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=base_url, timeout=1.0) as client:
-        client.post(CHAT, json=long_chat(stream=False), headers=headers)
-    time.sleep(0.5)
-    assert service.engine.running_requests() >= 1  # still generating: the client may come back
-    with httpx.Client(base_url=base_url, timeout=30) as client:
-        assert client.post("/v1/requests/non-streaming-grace/cancel").json()["status"] == "cancelled"
-    wait_until(lambda: service.engine.running_requests() == 0, timeout=10.0)
+    with _left_mid_generation(base_url, gate, b"X-Request-Id: non-streaming-grace\r\n"):
+        wait_until(lambda: service.stats()["subscribers"] == 0, timeout=60.0)  # the server saw it leave
+        assert service.engine.running_requests() >= 1  # still generating: the client may come back
+        with httpx.Client(base_url=base_url, timeout=30) as client:
+            assert client.post("/v1/requests/non-streaming-grace/cancel").json()["status"] == "cancelled"
+        wait_until(lambda: service.engine.running_requests() == 0, timeout=60.0)
 
 
 @pytest.mark.parametrize(

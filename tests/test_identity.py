@@ -15,6 +15,7 @@ import pytest
 from bundle_client.client import ResumableClient, ResumeUnsupported, StreamGone
 from shared.service import Service
 from tests.conftest import LiveServers, long_chat
+from tests.gate import Gate, Hold
 from tests.test_api import sse_events
 
 
@@ -106,12 +107,14 @@ async def test_resume_after_k_events_gives_exactly_the_uninterrupted_text(base_u
 
 
 class CuttingTransport(httpx.AsyncBaseTransport):
-    """Breaks the first `cuts` streaming responses after a few reads, like a flaky network."""
+    """Breaks the first `cuts` streaming responses in the middle of an event, after a few whole
+    ones, like a flaky network. Counted in events, not network reads: how many reads a stream
+    takes depends on timing (a finished generation can arrive in one read and never be cut)."""
 
-    def __init__(self, cuts: int, after_reads: int = 3) -> None:
+    def __init__(self, cuts: int, after_events: int = 3) -> None:
         self._inner = httpx.AsyncHTTPTransport()
         self.cuts_left = cuts
-        self.after_reads = after_reads
+        self.after_events = after_events
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)
@@ -121,7 +124,7 @@ class CuttingTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             response.status_code,
             headers=response.headers,
-            stream=_Cut(response, self.after_reads),
+            stream=_Cut(response, self.after_events),
             request=request,
         )
 
@@ -130,17 +133,22 @@ class CuttingTransport(httpx.AsyncBaseTransport):
 
 
 class _Cut(httpx.AsyncByteStream):
-    def __init__(self, response: httpx.Response, after_reads: int) -> None:
+    """`after` whole events, then the first half of the next one, then a broken connection."""
+
+    def __init__(self, response: httpx.Response, after: int) -> None:
         self._response = response
-        self._after = after_reads
+        self._after = after
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        reads = 0
+        buffer = b""
         async for chunk in self._response.aiter_raw():
-            yield chunk
-            reads += 1
-            if reads >= self._after:
+            buffer += chunk
+            events = buffer.split(b"\n\n")
+            if len(events) > self._after + 1:  # the next event has begun: cut inside it
+                head = b"".join(event + b"\n\n" for event in events[: self._after])
+                yield head + events[self._after][: len(events[self._after]) // 2 + 1]
                 raise httpx.ReadError("connection cut by the test")
+        yield buffer  # shorter than the cut point: the whole stream
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -163,50 +171,57 @@ async def test_resumable_client_survives_five_disconnects(base_url: str, service
     assert "".join(pieces) == texts_of(replay.content)
 
 
-async def test_disconnect_with_id_aborts_after_the_grace_window(live: LiveServers) -> None:
-    url, service = live.serve(disconnect_grace_s=1.0)
-    async with (
-        httpx.AsyncClient(base_url=url, timeout=60) as client,
-        client.stream(
-            "POST",
-            "/v1/chat/completions",
-            json=long_chat(max_tokens=1900),
-            headers={"X-Request-Id": "grace"},
-        ) as response,
-    ):
-        await read_events(response, 3)
-    left = time.monotonic()
-    await asyncio.sleep(0.3)
-    assert service.engine.running_requests() == 1  # still generating for a returning client
-    while service.engine.running_requests() and time.monotonic() - left < 30:
-        await asyncio.sleep(0.05)
-    waited = time.monotonic() - left
+def held_chat(held: Hold, max_tokens: int = 1900) -> dict[str, Any]:
+    return long_chat(max_tokens=max_tokens, messages=[{"role": "user", "content": held.prompt("a story")}])
+
+
+async def test_disconnect_with_id_aborts_after_the_grace_window(live: LiveServers, gate: Gate) -> None:
+    grace_s = 1.0
+    url, service = live.serve(disconnect_grace_s=grace_s)
+    # Frozen in the engine after 3 deltas: the request can only end by the server's abort.
+    with gate.hold(after=3, freeze_engine=True) as held:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json=held_chat(held), headers={"X-Request-Id": "grace"}
+            ) as response,
+        ):
+            await held.until_held()
+            await read_events(response, 1)
+        left = time.monotonic()
+        assert service.engine.running_requests() == 1  # still generating for a returning client
+        while service.engine.running_requests() and time.monotonic() - left < 60:
+            await asyncio.sleep(0.05)
+        waited = time.monotonic() - left
     assert service.engine.running_requests() == 0
-    assert waited >= 0.9  # held for the grace window; the reason below says the timer ended it
+    assert waited >= grace_s - 0.1  # held for the grace window; the reason below says the timer ended it
     metrics = httpx.get(f"{url}/metrics").text
     assert 'bundle_aborted_requests_total{reason="grace_expired"} 1.0' in metrics
 
 
-async def test_cancel_aborts_within_a_second_and_ends_attached_streams(base_url: str, service: Service) -> None:
+async def test_cancel_aborts_at_once_and_ends_attached_streams(
+    base_url: str, service: Service, gate: Gate
+) -> None:
     headers = {"X-Request-Id": "to-cancel"}
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        async with client.stream(
-            "POST", "/v1/chat/completions", json=long_chat(max_tokens=1900), headers=headers
-        ) as stream:
+    # Frozen in the engine: while the hold is closed, nothing but the cancel can end the stream.
+    with gate.hold(after=1, freeze_engine=True) as held:
+        async with (
+            httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=held_chat(held), headers=headers) as stream,
+        ):
             chunks = stream.aiter_raw()
             await anext(chunks)
-            started = time.monotonic()
-            cancelled = await client.post("/v1/requests/to-cancel/cancel")
-            rest = b"".join([chunk async for chunk in chunks])
-        took = time.monotonic() - started
-        assert cancelled.json()["status"] == "cancelled"
-        assert service.engine.running_requests() == 0
-        assert took < 1.0
-        tail = rest.rstrip().split(b"\n\n")
-        assert tail[-1].endswith(b"data: [DONE]")
-        assert b'"code":"request_cancelled"' in tail[-2]
-        unknown = await client.post("/v1/requests/never-seen/cancel")
-        assert unknown.status_code == 404
+            await held.until_held()
+            async with asyncio.timeout(60):  # a cancel that did not abort would wait for ever
+                cancelled = await client.post("/v1/requests/to-cancel/cancel")
+                rest = b"".join([chunk async for chunk in chunks])
+            assert cancelled.json()["status"] == "cancelled"
+            assert service.engine.running_requests() == 0  # aborted inside vLLM, not just here
+            tail = rest.rstrip().split(b"\n\n")
+            assert tail[-1].endswith(b"data: [DONE]")
+            assert b'"code":"request_cancelled"' in tail[-2]
+            unknown = await client.post("/v1/requests/never-seen/cancel")
+            assert unknown.status_code == 404
 
 
 async def test_evicted_events_give_a_clear_error(live: LiveServers) -> None:

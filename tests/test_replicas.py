@@ -24,11 +24,13 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
-from shared.identity.store import PRODUCER_LOST_BOUND_S
-from tests.conftest import free_port, long_chat
+from shared.identity.store import PRODUCER_LOST_BOUND_S, replica_key
+from tests.conftest import free_port, long_chat, wait_until
+from tests.gate import Gate, Hold
 from tests.real_server import ServerProcess, kill_engine_core_mid_stream
 from tests.redis_server import RedisServer
 from tests.test_api import sse_events
@@ -44,7 +46,10 @@ REPLICA_ENV = {
     "BUNDLE_ENFORCE_EAGER": "true",
     "BUNDLE_LOG_LEVEL": "warning",
 }
-LONG = 900  # tokens: a generation that is still running while a test acts on it
+LONG = 900  # tokens: a generation that is held mid-way (tests/gate.py) while a test acts on it
+# Engine deltas let through before the hold: enough for the few events a test reads first (a
+# delta that completes no character carries no text and makes no event).
+HOLD_AFTER = 8
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Replica:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    gate: Gate  # holds this replica's generations (tests/gate.py)
 
     def kill(self) -> None:
         """Die like a crashed container: no shutdown, no last words to the store."""
@@ -61,20 +67,23 @@ class Replica:
 
 
 def _start(redis_url: str, log: Path) -> Replica:
+    """The real server, its engine behind a gate whose control folder sits beside its log."""
     port = free_port()
     env = {**os.environ, **REPLICA_ENV, "BUNDLE_REDIS_URL": redis_url, "BUNDLE_PORT": str(port)}
+    gate_dir = log.with_suffix(".gate")
+    gate_dir.mkdir()
     with log.open("wb") as out:
         # Its own process group, so killing it takes its engine process along; the same session
         # as the test, so the kernel schedules it with the test (no autogroup of its own).
         process = subprocess.Popen(
-            [sys.executable, "-m", "shared.serve"],
+            [sys.executable, "-m", "tests.gated_serve", "--gate-dir", str(gate_dir)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
         )
-    return Replica(f"http://127.0.0.1:{port}", process, log)
+    return Replica(f"http://127.0.0.1:{port}", process, log, Gate(gate_dir))
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +180,7 @@ class SpreadingTransport(CuttingTransport):
         target = self.urls[self.sent % len(self.urls)]
         self.sent += 1
         request.url = request.url.copy_with(host=target.host, port=target.port)
-        self.after_reads = self.rng.randint(1, 6)
+        self.after_events = self.rng.randint(1, 6)
         return await super().handle_async_request(request)
 
 
@@ -202,17 +211,24 @@ async def test_a_stream_dropped_on_one_replica_resumes_on_the_other(replicas: li
     assert generations(replicas) - before == 2
 
 
+def held_chat(held: Hold) -> dict[str, Any]:
+    return long_chat(max_tokens=LONG, messages=[{"role": "user", "content": held.prompt("tell me a story")}])
+
+
 async def test_cancel_sent_to_b_aborts_the_generation_on_a(replicas: list[Replica]) -> None:
     a, b = (replica.url for replica in replicas)
     cancelled_before = metric(a, "bundle_aborted_requests_total", 'reason="cancelled"')
     headers = {"X-Request-Id": "cancel-on-b"}
     async with (
         httpx.AsyncClient(timeout=60) as client,
-        client.stream(
-            "POST", f"{a}/v1/chat/completions", json=long_chat(max_tokens=LONG), headers=headers
-        ) as stream,
+        contextlib.AsyncExitStack() as stack,
     ):
+        held = stack.enter_context(replicas[0].gate.hold(after=HOLD_AFTER))
+        stream = await stack.enter_async_context(
+            client.stream("POST", f"{a}/v1/chat/completions", json=held_chat(held), headers=headers)
+        )
         reader = Reader(stream)
+        await held.until_held()  # A's generation is running, and stays so until the cancel
         await reader.events(3)
         outcome = await client.post(f"{b}/v1/requests/cancel-on-b/cancel")
         rest = await reader.rest()
@@ -262,16 +278,25 @@ async def test_a_store_outage_refuses_ids_keeps_anonymous_and_recovers(
             assert response.content.endswith(b"data: [DONE]\n\n")
 
 
-async def test_followers_on_b_hear_that_replica_a_died(replicas: list[Replica]) -> None:
+async def test_followers_on_b_hear_that_replica_a_died(
+    replicas: list[Replica], redis_server: RedisServer
+) -> None:
     a, b = replicas
-    # Let A's heartbeat (restarted with the store above) be seen before relying on it.
-    await asyncio.sleep(1.5)
-    body = long_chat(max_tokens=LONG)
+    # Both heartbeats are back in the store (restarted above) before the test relies on them.
+    store = redis.Redis.from_url(redis_server.url)
+    wait_until(lambda: len(store.keys(replica_key("*"))) == 2, timeout=30)
+    store.close()
     headers = {"X-Request-Id": "owner-dies"}
     async with (
         httpx.AsyncClient(timeout=60) as client,
-        client.stream("POST", f"{a.url}/v1/chat/completions", json=body, headers=headers) as owner_stream,
+        contextlib.AsyncExitStack() as stack,
     ):
+        held = stack.enter_context(a.gate.hold(after=HOLD_AFTER))  # A never finishes: it dies
+        body = held_chat(held)
+        owner_stream = await stack.enter_async_context(
+            client.stream("POST", f"{a.url}/v1/chat/completions", json=body, headers=headers)
+        )
+        await held.until_held()
         await Reader(owner_stream).events(2)
         url = f"{b.url}/v1/chat/completions"
         followers = [client.stream("POST", url, json=body, headers=headers) for _ in range(2)]
@@ -298,5 +323,5 @@ def test_killing_bs_engine_core_ends_its_streams_refuses_new_work_and_exits_non_
     already paid for B's engine, so this needs no start of its own. The stream is anonymous,
     so the store is not involved; B exits with ENGINE_DEAD_EXIT_CODE (checked inside)."""
     b = replicas[1]
-    took = kill_engine_core_mid_stream(ServerProcess(b.process, b.url, b.log), max_tokens=LONG)
+    took = kill_engine_core_mid_stream(ServerProcess(b.process, b.url, b.log, b.gate), max_tokens=LONG)
     print(f"replica B exited {took:.1f} s after its engine core was killed")

@@ -20,8 +20,12 @@ from shared.responses.manager import Responses
 from shared.responses.request import parse_responses_request
 from shared.service import Service
 from tests.conftest import LiveServers, wait_until
+from tests.gate import Gate
 
-LONG = 1500  # output tokens: still running while a test acts on it (random weights rarely stop)
+LONG = 1500  # output tokens: a response held mid-way (tests/gate.py) while a test acts on it
+# Engine deltas let through before a hold: enough for the few text deltas a test reads first (a
+# delta that completes no character carries no text and makes no event).
+HOLD_AFTER = 24
 # The tiny model's random weights almost never choose to stop, so a response that must end as
 # `completed` (not `incomplete` at max_output_tokens) is held to a JSON schema with one allowed
 # value: the grammar ends it, after a couple of dozen forced tokens.
@@ -135,10 +139,12 @@ def test_background_poll_reports_progress_and_usage(client: openai.OpenAI) -> No
     assert done.output_text
 
 
-def test_cancel_mid_stream_gives_cancelled(client: openai.OpenAI) -> None:
+def test_cancel_mid_stream_gives_cancelled(client: openai.OpenAI, gate: Gate) -> None:
+    held = gate.close(after=HOLD_AFTER)  # released by the gate fixture
     stream = client.responses.create(
-        model="tiny", input="go on", max_output_tokens=LONG, background=True, stream=True
+        model="tiny", input=held.prompt("go on"), max_output_tokens=LONG, background=True, stream=True
     )
+    held.wait_held()  # it cannot end before the cancel
     seen = [next(stream) for _ in range(6)]
     cancelled = client.responses.cancel(seen[0].response.id)
     assert cancelled.status == "cancelled"
@@ -247,7 +253,13 @@ def test_a_conversation_kept_by_the_client_sends_the_output_back_as_input(client
 
 
 def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai.OpenAI) -> None:
-    structured = client.responses.create(model="tiny", input="a story", text=ENDS, max_output_tokens=200)  # type: ignore[arg-type]
+    structured = client.responses.create(
+        model="tiny",
+        input="a story",
+        text=ENDS,  # type: ignore[arg-type]
+        max_output_tokens=200,
+        temperature=0,
+    )
     assert json.loads(structured.output_text) == {"story": SENTENCE}
     zones = {"type": "string", "enum": ["UTC", "CET"]}
     parameters = {
@@ -263,6 +275,7 @@ def test_structured_output_and_function_tools_reuse_the_chat_path(client: openai
         tools=[tool],
         tool_choice={"type": "function", "name": "get_time"},
         max_output_tokens=60,  # type: ignore[list-item]
+        temperature=0,  # greedy: a status is asserted, and a sampled call may run long
     )
     calls = [item for item in called.output if item.type == "function_call"]
     assert called.status == "completed", called
@@ -310,13 +323,16 @@ def _final_of(reply: httpx.Response) -> dict[str, Any]:
 def test_a_stored_plain_stream_whose_client_leaves_is_stored_final(live: LiveServers) -> None:
     """Not background, store=true: the client reads a few events and leaves; the response still
     runs to its end and its final object is stored (GET after the core forgot the events)."""
-    base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
+    base, service = live.serve(retention_s=1.0, responses_retention_s=60.0)
     with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
-        stream = sdk.responses.create(model="tiny", input="go", max_output_tokens=40, stream=True)
+        stream = sdk.responses.create(
+            model="tiny", input="go", max_output_tokens=40, stream=True, temperature=0
+        )
         seen = [next(stream) for _ in range(4)]
         stream.close()
         response_id = seen[0].response.id
-        time.sleep(8.0)  # the end (40 tokens), then past the core's retention of its events
+        wait_until(lambda: service.stats()["running_generations"] == 0, timeout=60)  # its end
+        time.sleep(2.0)  # then past the core's retention of its events (1 s after that end)
         final = sdk.responses.retrieve(response_id)
     assert final.status == "incomplete" and final.usage is not None, final
     assert final.usage.output_tokens == 40 and final.output_text
@@ -337,7 +353,11 @@ def test_a_stream_left_after_its_first_event_leaves_no_reader_behind(live: LiveS
         await events.aclose()  # type: ignore[attr-defined]
         await asyncio.gather(*responses._keepers)  # the response's end
         gc.collect()  # a generator left suspended is finalized now
-        await asyncio.sleep(0.5)
+        # Its clean-up runs in the loop's next turns: wait for them (a leaked reader never goes).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while service.stats()["subscribers"] and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         subscribers = service.stats()["subscribers"]
         await responses.aclose()
         return subscribers
@@ -349,7 +369,7 @@ def test_a_finished_response_streams_again_after_its_log_expired(live: LiveServe
     """After the core forgot the events (retention_s=1), a stream of a finished response is
     rebuilt from the stored object: the live stream's event types (one delta), numbered afresh."""
     base, _ = live.serve(retention_s=1.0, responses_retention_s=60.0)
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 12, "stream": True}
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 12, "stream": True, "temperature": 0}
     with httpx.Client(base_url=base, timeout=60) as http:
         live_events = _sse_data(http.post("/v1/responses", json=body))
         response_id = live_events[0]["response"]["id"]
@@ -374,7 +394,7 @@ def test_a_finished_response_streams_again_after_its_log_expired(live: LiveServe
 def test_a_background_create_retried_after_its_end_answers_the_final_object(
     server: tuple[str, Service],
 ) -> None:
-    body = {"model": "tiny", "input": "bg", "max_output_tokens": 8, "background": True}
+    body = {"model": "tiny", "input": "bg", "max_output_tokens": 8, "background": True, "temperature": 0}
     headers = {"Idempotency-Key": "responses-background-retry-1"}
     with httpx.Client(base_url=server[0], timeout=60) as http:
         first = http.post("/v1/responses", json=body, headers=headers).json()

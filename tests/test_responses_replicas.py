@@ -1,7 +1,8 @@
 """Responses across two replicas sharing a real Redis-protocol server: a response created on A is
 streamed again and cancelled from B, and when A dies B reports the response `failed` instead of
-waiting for ever. A is a `python -m shared.serve` process (so it can be killed like a crashed
-container); B is an app on the test session's engine."""
+waiting for ever. A is a `python -m tests.gated_serve` process (the real server, its engine behind
+the test gate, so it can be killed like a crashed container while its generation is held
+mid-way); B is an app on the test session's engine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from openai.types.responses import ResponseStreamEvent
 
 from bench.servers import wait_healthy
 from shared.identity.store import PRODUCER_LOST_BOUND_S
@@ -22,7 +24,10 @@ from tests.redis_server import RedisServer
 from tests.test_replicas import Replica, _start
 
 pytestmark = pytest.mark.timeout(600)
-LONG = 900  # output tokens: still running while the test acts (the replica's context is 1024)
+LONG = 900  # output tokens (the replica's context is 1024): held on A long before its end
+# Engine deltas let through on A before its hold: enough for the few text deltas a test reads
+# (a delta that completes no character carries no text, so some may be empty).
+HOLD_AFTER = 24
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +51,21 @@ def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def text_deltas(stream: Iterator[ResponseStreamEvent], count: int) -> list[ResponseStreamEvent]:
+    """The stream's events up to and including its `count`-th text delta."""
+    seen: list[ResponseStreamEvent] = []
+    while sum(e.type == "response.output_text.delta" for e in seen) < count:
+        seen.append(next(stream))
+    return seen
+
+
 def test_created_on_a_streamed_and_cancelled_from_b(pair: tuple[Replica, str]) -> None:
     a, b_url = pair
-    with sdk(a.url) as on_a, sdk(b_url) as on_b:
-        created = on_a.responses.create(model="tiny", input="go on", max_output_tokens=LONG, background=True)
+    with sdk(a.url) as on_a, sdk(b_url) as on_b, a.gate.hold(after=HOLD_AFTER) as held:
+        created = on_a.responses.create(
+            model="tiny", input=held.prompt("go on"), max_output_tokens=LONG, background=True
+        )
+        held.wait_held()
         stream = on_b.responses.retrieve(created.id, stream=True, starting_after=2)
         seen = [next(stream) for _ in range(5)]
         assert [e.sequence_number for e in seen] == [3, 4, 5, 6, 7]
@@ -64,10 +80,13 @@ def test_created_on_a_streamed_and_cancelled_from_b(pair: tuple[Replica, str]) -
 
 def test_b_reports_failed_when_a_dies_mid_generation(pair: tuple[Replica, str]) -> None:
     a, b_url = pair
-    with sdk(a.url) as on_a, sdk(b_url) as on_b:
-        created = on_a.responses.create(model="tiny", input="go on", max_output_tokens=LONG, background=True)
+    with sdk(a.url) as on_a, sdk(b_url) as on_b, a.gate.hold(after=HOLD_AFTER) as held:
+        created = on_a.responses.create(
+            model="tiny", input=held.prompt("go on"), max_output_tokens=LONG, background=True
+        )
+        held.wait_held()
         stream = on_b.responses.retrieve(created.id, stream=True)
-        seen = [next(stream) for _ in range(8)]
+        seen = text_deltas(stream, 1)  # B follows the generation A holds mid-way
         assert on_b.responses.retrieve(created.id).status == "in_progress"
         a.kill()
         killed = time.monotonic()

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.conftest import LiveServers
+from tests.gate import Gate
 from tests.real_server import ServerProcess, bundle_server
 
 TOKENS = 13  # 1 + 4 + 4 + 4 with an interval of 4: the first token alone, then full groups
@@ -56,7 +57,9 @@ def test_tokens_arrive_in_groups_of_the_interval_and_none_is_lost(chunked_server
     assert choices[-1].finish_reason == "length"
 
 
-def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_lost(live: LiveServers) -> None:
+def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_lost(
+    live: LiveServers, gate: Gate
+) -> None:
     url, service = live.serve(stream_batch_at=1)  # one stream being written is "load"
     assert not service.pairs_writes  # vLLM 0.32 paces each request: the writes are not held too
     body = {
@@ -67,11 +70,11 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
         "temperature": 0.0,
         "logprobs": 1,  # a chunk's logprobs list its tokens: how many each chunk carried
     }
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with httpx.Client(base_url=url, timeout=60) as client, gate.hold(after=1) as held:
         whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-        # A load long enough to outlast the request below by far (~4 s of tokens at this model's
-        # pace on a quiet 2-core machine); ended by closing it.
-        load = {**body, "max_tokens": 1500, "stream": True}
+        # A load held after its first delta (tests/gate.py): it runs until the request below
+        # has ended, however fast the engine; ended by closing it.
+        load = {**body, "prompt": held.prompt("Once upon"), "max_tokens": 1500, "stream": True}
         with client.stream("POST", "/v1/completions", json=load) as busy:
             assert busy.status_code == 200, busy.read()
             # Its first token is out: it runs while the next one is admitted. The iterator is
@@ -80,6 +83,7 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
             # below (every token alone in some fresh-clone runs).
             load_chunks = busy.iter_raw()
             next(load_chunks)
+            held.wait_held()
             with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as reply:
                 assert reply.status_code == 200
                 received = reply.read()
