@@ -634,3 +634,18 @@ def test_cpu_by_process_is_reported_per_token_and_tabled_with_the_busiest_api_pr
     table = markdown_table(_report({"bundle@2": {"levels": [level]}, "raw": {"levels": [_level(4)]}}))
     assert "| 4 | 3.000 (2.000) · 4.000 · 0.100 |" in table
     assert "bundle@2 / raw" in table
+
+
+def test_the_1b_shape_is_llama_3_2_1bs_config_only(tmp_path: Path) -> None:
+    from shared.engine.tiny_model import ensure_model
+
+    built = ensure_model(tmp_path, "llama3-1b")
+    config = orjson.loads((built / "config.json").read_bytes())
+    shape = {key: config[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers")}
+    assert shape == {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (32, 8)
+    rope_theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]  # transformers 5
+    assert (config["vocab_size"], rope_theta) == (128256, 500000.0)
+    assert config["tie_word_embeddings"] is True
+    assert not list(built.glob("*.safetensors"))  # vLLM's dummy load fills the weights
+    assert Settings(tiny_model_shape="llama3-1b").tiny_model_shape == "llama3-1b"

@@ -247,3 +247,11 @@ def test_settings_refuse_nonsense() -> None:
     assert Settings().api_processes == 1
 
 
+
+
+def test_the_modal_class_refuses_several_api_processes_at_deploy() -> None:
+    env = {**os.environ, "BUNDLE_API_PROCESSES": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import modal_app.app"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0 and "the Modal class serves one API process" in done.stderr
