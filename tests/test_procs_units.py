@@ -255,3 +255,11 @@ def test_the_modal_class_refuses_several_api_processes_at_deploy() -> None:
         [sys.executable, "-c", "import modal_app.app"], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode != 0 and "the Modal class serves one API process" in done.stderr
+
+
+def test_a_port_taken_by_another_server_is_a_setup_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SetupError, match="cannot listen on 127.0.0.1"):
+            bound_sockets("127.0.0.1", taken.getsockname()[1], 2)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import socket
 
+from shared.errors import SetupError
+
 
 def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """`count` sockets bound to one (host, port) with SO_REUSEPORT; port 0 picks one for all."""
@@ -31,6 +33,9 @@ def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # the one port 0 chose, for the others
+    except OSError as exc:
+        close_all(sockets)
+        raise SetupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     except BaseException:
         close_all(sockets)
         raise

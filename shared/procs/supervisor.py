@@ -143,7 +143,9 @@ class Supervision:
         first = self.signalled is None
         self.signalled = self.signalled or signum
         if not self.started:
-            raise Stopped(signum)  # the engine is still starting: nothing serves yet
+            if first:  # the engine is still starting: nothing serves yet. Once only: a second
+                raise Stopped(signum)  # signal must not cut the clean-up the first one began
+            return
         if first:
             log.info("signal %d: the %d API processes drain", signum, len(self.running))
             self._end_by(self.drain_bound_s)

@@ -71,9 +71,11 @@ def engine_config(settings: Settings, count: int) -> Any:
 
 @contextlib.contextmanager
 def launch(settings: Settings, count: int, target: ApiTarget, make_spec: SpecMaker) -> Iterator[Launched]:
-    """Start the engine core and `count` API processes; on leaving, stop whatever still runs
-    (API processes first, bounded by `shutdown_grace_s`, then the engine core)."""
+    """Start the engine core and `count` API processes; on leaving, stop whatever still runs:
+    API processes first (bounded by `shutdown_grace_s`), then the engine core, with vLLM's own
+    bound as when one API process stops the core it started."""
     from vllm.v1.executor import Executor
+    from vllm.v1.utils import APIServerProcessManager
 
     path = launch_path()
     config = engine_config(settings, count)
@@ -86,7 +88,8 @@ def launch(settings: Settings, count: int, target: ApiTarget, make_spec: SpecMak
         yield launched
     finally:
         for manager in managers:  # the API processes' manager first: they drain, then the engine
-            manager.shutdown(timeout=settings.shutdown_grace_s)
+            is_api = isinstance(manager, APIServerProcessManager)
+            manager.shutdown(timeout=settings.shutdown_grace_s if is_api else None)
         if launched is not None:  # vLLM's listeners: their IPC paths go now, not at interpreter exit
             getattr(launched.endpoints, "cleanup", lambda: None)()
             launched.endpoints = None
