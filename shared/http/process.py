@@ -57,7 +57,10 @@ def run_server(
         **uvicorn_options(settings),
     )
     server = DrainingServer(config, on_signal)
-    server.run(sockets=sockets)
+    if sockets is None:
+        server.run()  # binds BUNDLE_HOST:BUNDLE_PORT itself, as ever
+    else:
+        server.run(sockets=sockets)
     return exit_code
 
 
