@@ -37,7 +37,6 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from pydantic import SecretStr
 
@@ -236,10 +235,7 @@ def _terminate(processes: list[BaseProcess]) -> None:
             process.terminate()
 
 
-def _kill(processes: list[Any]) -> None:
+def _kill(processes: list[BaseProcess]) -> None:
     for process in processes:
         with contextlib.suppress(ProcessLookupError, AttributeError):
             process.kill()
-
-
-__all__ = ["API_PROCESS_LOST_EXIT_CODE", "SetupError", "serve_processes"]

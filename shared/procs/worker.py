@@ -37,8 +37,6 @@ from shared.settings import Settings
 
 PROCESS_HEADER = b"x-bundle-api-process"
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class WorkerSpec:
