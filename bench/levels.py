@@ -31,6 +31,9 @@ class Meters:
     """Readings taken around each run, for targets whose requests do not report them."""
 
     serving_cpu: CpuClock | None = None
+    # CPU seconds so far by process role (bench/servers.py, server_cpu_by_role): "api" (and each
+    # API process as "api.<i>"), "engine", "other"; reported per output token as `cpu_ms_per_token`.
+    process_cpu: Callable[[], dict[str, float]] | None = None
     prefix_cache: CacheCounter | None = None
     # The bundle's TTFT from the start of its generation task; the client's mean minus this
     # is what the bundle adds before the engine is asked (HTTP, parsing, task queueing) plus
@@ -82,6 +85,7 @@ async def run_levels(
 
 async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, meters: Meters) -> dict:
     cpu_before = meters.serving_cpu() if meters.serving_cpu else 0.0
+    roles_before = meters.process_cpu() if meters.process_cpu else {}
     cache_before = meters.prefix_cache() if meters.prefix_cache else (0, 0)
     histograms = {name: getattr(meters, meter) for name, meter in MEAN_METERS.items()}
     before = {name: (read, read()) for name, read in histograms.items() if read is not None}
@@ -104,6 +108,11 @@ async def _measured(run: LevelRunner, prompts: list[list[int]], level: int, mete
         result["serving_cpu_ms_per_token"] = (
             1000 * (meters.serving_cpu() - cpu_before) / result["output_tokens"]
         )
+    if meters.process_cpu is not None and result["output_tokens"]:
+        tokens, after = result["output_tokens"], meters.process_cpu()
+        result["cpu_ms_per_token"] = {
+            role: 1000 * (cpu - roles_before.get(role, 0.0)) / tokens for role, cpu in after.items()
+        }
     if meters.prefix_cache is not None:
         queries, hits = meters.prefix_cache()
         result["prefix_cache"] = cache_counts(queries - cache_before[0], hits - cache_before[1])
@@ -154,6 +163,8 @@ def median_run(runs: list[dict]) -> dict:
             chosen[f"runs_ttft_{wave}_p50_s"] = [run[f"ttft_{wave}_s"]["p50"] for run in runs]
     if all("serving_cpu_ms_per_token" in run for run in runs):
         chosen["runs_serving_cpu_ms_per_token"] = [run["serving_cpu_ms_per_token"] for run in runs]
+    if all("cpu_ms_per_token" in run for run in runs):
+        chosen["runs_cpu_ms_per_token"] = [run["cpu_ms_per_token"] for run in runs]
     if all("server_ttft_mean_s" in run for run in runs):
         chosen["runs_ttft_added_by_server_s"] = [run["ttft_mean_s"] - run["server_ttft_mean_s"] for run in runs]
     for name in OPTIONAL_MEANS:

@@ -16,6 +16,9 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
     """(numerator, denominator) target pairs shown as ratio columns, where both were run."""
     pairs = [("bundle", "raw"), ("bundle", "vllm_server")]
     pairs += [(name, "vllm_server:defaults") for name in names if name.startswith("bundle:")]
+    for name in names:  # bundle@N: against raw, one process, and vLLM's server with as many
+        if name.startswith("bundle@"):
+            pairs += [(name, "raw"), (name, "bundle"), (name, "vllm_server" + name[len("bundle") :])]
     pairs += [(name, name + NO_PREFIX_CACHE) for name in names]
     present = set(names)
     return [(a, b) for a, b in pairs if a in present and b in present and a != b]
@@ -39,6 +42,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         ratios = [_ratio(by_level, level, a, b) for a, b in pairs]
         rows.append(f"| {level} | " + " | ".join(cells + ratios) + " |")
     rows += _cpu_table(by_level, names, levels)
+    rows += _cpu_by_process_table(by_level, names, levels)
     return "\n".join(rows + _footer(report, names)) + "\n"
 
 
@@ -105,6 +109,32 @@ def _cpu_table(by_level: dict, names: list[str], levels: list[int]) -> list[str]
         cells = [by_level[t].get(level, {}).get("serving_cpu_ms_per_token") for t in measured]
         rows.append(f"| {level} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     return rows
+
+
+def _cpu_by_process_table(by_level: dict, names: list[str], levels: list[int]) -> list[str]:
+    """CPU ms per output token by process: the API processes together (and the busiest one),
+    vLLM's engine core, and the rest (a supervisor, a local store)."""
+    measured = [t for t in names if any("cpu_ms_per_token" in lv for lv in by_level[t].values())]
+    if not measured:
+        return []
+    rows = [
+        "\nCPU per output token by process, ms: API processes together (the busiest one) · engine core · "
+        "other processes (raw: the benchmark process is the API side):\n",
+        "| concurrency | " + " | ".join(measured) + " |",
+        "|" + "---|" * (len(measured) + 1),
+    ]
+    for level in levels:
+        cells = [_roles_cell(by_level[t].get(level, {}).get("cpu_ms_per_token")) for t in measured]
+        rows.append(f"| {level} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _roles_cell(roles: dict[str, float] | None) -> str:
+    if not roles:
+        return "-"
+    each = [cpu for role, cpu in roles.items() if role.startswith("api.")]
+    busiest = f" ({max(each):.3f})" if len(each) > 1 else ""
+    return f"{roles['api']:.3f}{busiest} · {roles.get('engine', 0.0):.3f} · {roles.get('other', 0.0):.3f}"
 
 
 def _cell(level: dict | None) -> str:

@@ -80,12 +80,13 @@ def bundle_command(port: int) -> list[str]:
     return [sys.executable, "-m", "shared.serve", "--port", str(port), "--no-access-log"]
 
 
-def vllm_server_command(settings: Settings, port: int) -> list[str]:
-    """vLLM's own server on exactly the engine arguments the bundle resolves (preset included)."""
+def vllm_server_command(settings: Settings, port: int, api_servers: int | None = None) -> list[str]:
+    """vLLM's own server on exactly the engine arguments the bundle resolves (preset included).
+    `api_servers`: `vllm serve --api-server-count` (bench/vllm_serve.py), else one API process."""
     from vllm.platforms import current_platform
 
     args = engine_args(settings, on_cpu=current_platform.is_cpu())
-    command = _vllm_server_base(settings, args, port) + [
+    command = _vllm_server_base(settings, args, port, api_servers) + [
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
         "--max-num-seqs",
@@ -132,12 +133,15 @@ def vllm_defaults_command(settings: Settings, port: int) -> list[str]:
     return command
 
 
-def _vllm_server_base(settings: Settings, args: Any, port: int) -> list[str]:
+def _vllm_server_base(settings: Settings, args: Any, port: int, api_servers: int | None = None) -> list[str]:
     """What every vLLM server run shares: the model, its shape and the load it must serve."""
+    entry = ["vllm.entrypoints.openai.api_server"] if api_servers is None else ["bench.vllm_serve"]
+    count = [] if api_servers is None else ["--api-server-count", str(api_servers)]
     command = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        *entry,
+        *count,
         "--host",
         "127.0.0.1",
         "--port",
@@ -190,14 +194,57 @@ def process_cpu_s(pid: int) -> float:
 
 def stats_file_counter(path: Path) -> Callable[[], tuple[int, int]]:
     """Reads the bundle's prefix-cache counts (prompt tokens looked up, found) from the file its
-    server publishes (shared/engine/stats_file.py); (0, 0) until the first write."""
+    server publishes (shared/engine/stats_file.py), added up over its API processes' files
+    (`stats.json`, or `stats.0.json`, `stats.1.json`... with BUNDLE_API_PROCESSES > 1); (0, 0)
+    until the first write."""
 
-    def read() -> tuple[int, int]:
+    def read_one(one: Path) -> tuple[int, int]:
         try:
-            snapshot = orjson.loads(path.read_bytes())
+            snapshot = orjson.loads(one.read_bytes())
         except (OSError, orjson.JSONDecodeError):
             return 0, 0
         return int(snapshot.get("prefix_cache_queries", 0)), int(snapshot.get("prefix_cache_hits", 0))
+
+    def read() -> tuple[int, int]:
+        files = [path, *path.parent.glob(f"{path.stem}.[0-9]*{path.suffix}")]
+        counts = [read_one(one) for one in files]
+        return sum(queries for queries, _ in counts), sum(hits for _, hits in counts)
+
+    return read
+
+
+def server_cpu_by_role(root_pid: int) -> Callable[[], dict[str, float]]:
+    """Reads the CPU seconds so far of a server's processes, by role: `api` (its API processes
+    together, and each as `api.<i>`), `engine` (vLLM's engine core and its workers), `other`
+    (a supervisor, a local store, multiprocessing's resource tracker). The processes are listed
+    now, once the server is up: a server keeps them for life. API processes are the ones titled
+    `APIServer_<i>` (the bundle's and vLLM's, with several); with none, the root is the one."""
+    import psutil
+
+    api: dict[str, int] = {}  # "api.<i>" -> pid
+    roles: dict[str, list[int]] = {"engine": [], "other": []}
+    root = psutil.Process(root_pid)
+    for process in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(process.cmdline()) or process.name()
+            numbered = re.search(r"APIServer_(\d+)", title)
+            if numbered:
+                api[f"api.{numbered.group(1)}"] = process.pid
+            elif "EngineCore" in title or "::Worker" in title:
+                roles["engine"].append(process.pid)
+            else:
+                roles["other"].append(process.pid)
+    if api:
+        roles["other"].append(root_pid)
+    else:
+        api["api.0"] = root_pid
+
+    def read() -> dict[str, float]:
+        readings = {label: process_cpu_s(pid) for label, pid in sorted(api.items())}
+        readings["api"] = sum(readings.values())
+        for role, pids in roles.items():
+            readings[role] = sum(process_cpu_s(pid) for pid in pids)
+        return readings
 
     return read
 

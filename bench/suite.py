@@ -33,8 +33,8 @@ from bench.servers import (
     metrics_histogram_above,
     metrics_histogram_counter,
     peak_rss_mib,
-    process_cpu_s,
     running_server,
+    server_cpu_by_role,
     stats_file_counter,
     vllm_defaults_command,
     vllm_server_command,
@@ -151,7 +151,8 @@ def run_target(
     try:
         return run_server(spec, caching, workload, args, out, stats)
     finally:
-        stats.unlink(missing_ok=True)  # scratch: the counts are in the report
+        for scratch in [stats, *stats.parent.glob(f"{stats.stem}.[0-9]*{stats.suffix}")]:
+            scratch.unlink(missing_ok=True)  # the counts are in the report
 
 
 def run_server(
@@ -171,8 +172,10 @@ def run_server(
     with running_server(server_command(spec, caching, port), port, log, env) as pid:
         url = f"http://127.0.0.1:{port}"
         histogram = functools.partial(metrics_histogram_counter, url)
+        by_role = server_cpu_by_role(pid)
         meters = Meters(
-            serving_cpu=functools.partial(process_cpu_s, pid),
+            serving_cpu=lambda: by_role()["api"],  # the API processes together (one: the server)
+            process_cpu=by_role,
             prefix_cache=stats_file_counter(stats) if bundle else None,
             server_ttft=histogram("bundle_time_to_first_token_seconds") if bundle else None,
             server_admission=histogram("bundle_admission_seconds") if bundle else None,
@@ -205,7 +208,7 @@ def server_command(spec: TargetSpec, caching: bool, port: int) -> list[str]:
         return bundle_command(port)  # its settings travel in the environment (spec.server_env)
     if spec.vllm_defaults:
         return vllm_defaults_command(spec.settings(caching), port)
-    return vllm_server_command(spec.settings(caching), port)
+    return vllm_server_command(spec.settings(caching), port, api_servers=spec.processes)
 
 
 def _file_stem(spec: TargetSpec, caching: bool) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -11,6 +12,7 @@ from bench.client_processes import run_level_in_processes
 from bench.levels import NO_METERS, LevelRunner, Meters, run_levels
 from bench.loadgen import Requester, run_level
 from bench.requesters import engine_requester, http_requester, load_client, open_connections
+from bench.servers import server_cpu_by_role
 from bench.workload import Workload
 from shared.engine.vllm import batch_token_budget, import_engine_modules, start_llm, stop_llm
 from shared.obs.engine_outputs import time_engine_outputs
@@ -49,6 +51,7 @@ async def bench_raw(
         timings = time_engine_outputs(llm)  # as the bundle's engine does (shared/obs/engine_outputs.py)
         meters = Meters(
             serving_cpu=time.process_time,
+            process_cpu=server_cpu_by_role(os.getpid()),  # this process as "api", its engine core
             engine_output_wait=timings.wait.reading,
             engine_output_handling=timings.handling.reading,
         )

@@ -75,6 +75,13 @@ MODEL_REVISION = "12fd6884d2585dd4d020373e7f39f74507b31866"
 # rebuilds the same settings, so the decorators and the engine can never disagree.
 SETTINGS = Settings().with_default_model(MODEL, MODEL_REVISION).with_default_preset("throughput")
 MODAL = ModalSettings()
+# Modal's own runner serves the class's ASGI app in the container's one process: there is no port
+# for several API processes to share (docs/modal.md, API processes). Refused, not ignored.
+if SETTINGS.api_processes > 1:
+    raise ValueError(
+        f"BUNDLE_API_PROCESSES={SETTINGS.api_processes}: the Modal class serves one API process "
+        "(Modal runs its ASGI app); unset it for this deploy"
+    )
 
 # One container accepts up to max_inputs streams and the autoscaler aims for target_inputs
 # each; both default from the engine's max_num_seqs as its preset leaves it (the reasoning is in

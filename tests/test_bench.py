@@ -591,3 +591,61 @@ def test_gc_pauses_are_read_from_the_servers_metrics_per_level(scripted_url: str
     (level,) = asyncio.run(bench_http(scripted_url, workload, [2], rounds=8, meters=meters))
     assert set(level["server_gc"]) == {"gc_pause_s", "gc_full_collections", "gc_full_pause_s"}
     assert all(value >= 0 for value in level["server_gc"].values())
+
+
+# --- several API processes (issue 39) -----------------------------------------------------------
+def test_a_target_names_its_api_processes_and_the_bundle_gets_them_in_its_environment() -> None:
+    from bench.specs import BadTarget, TargetSpec
+
+    spec = TargetSpec.parse("bundle@4")
+    assert (spec.kind, spec.processes, spec.name) == ("bundle", 4, "bundle@4")
+    assert spec.server_env(True)["BUNDLE_API_PROCESSES"] == "4"
+    assert "BUNDLE_API_PROCESSES" not in TargetSpec.parse("bundle").server_env(True)
+    assert TargetSpec.parse("vllm_server:defaults@2").name == "vllm_server:defaults@2"
+    for bad in ("raw@2", "bundle@0", "bundle@", "bundle@two"):
+        with pytest.raises(BadTarget):
+            TargetSpec.parse(bad)
+
+
+def test_vllm_servers_process_count_goes_through_vllm_serve() -> None:
+    from bench.servers import vllm_server_command
+
+    settings = Settings(enforce_eager=True, max_model_len=512)
+    several = vllm_server_command(settings, 8123, api_servers=4)
+    assert several[1:5] == ["-m", "bench.vllm_serve", "--api-server-count", "4"]
+    one = vllm_server_command(settings, 8123)
+    assert one[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and "--api-server-count" not in one
+
+
+def test_cpu_by_process_is_reported_per_token_and_tabled_with_the_busiest_api_process() -> None:
+    readings = iter([
+        {"api": 1.0, "api.0": 0.4, "api.1": 0.6, "engine": 2.0, "other": 0.0},
+        {"api": 1.3, "api.0": 0.5, "api.1": 0.8, "engine": 2.4, "other": 0.01},
+    ])  # fmt: skip
+
+    async def runner(prompts: list[list[int]], level: int) -> dict:
+        return {**_level(level), "output_tokens": 100, "errors": 0}
+
+    meters = Meters(process_cpu=lambda: next(readings))
+    [level] = asyncio.run(run_levels(runner, Workload(), [4], rounds=1, repeat=1, meters=meters))
+    cpu = level["cpu_ms_per_token"]
+    assert cpu["api"] == pytest.approx(3.0) and cpu["api.1"] == pytest.approx(2.0)
+    assert cpu["engine"] == pytest.approx(4.0) and cpu["other"] == pytest.approx(0.1)
+    table = markdown_table(_report({"bundle@2": {"levels": [level]}, "raw": {"levels": [_level(4)]}}))
+    assert "| 4 | 3.000 (2.000) · 4.000 · 0.100 |" in table
+    assert "bundle@2 / raw" in table
+
+
+def test_the_1b_shape_is_llama_3_2_1bs_config_only(tmp_path: Path) -> None:
+    from shared.engine.tiny_model import ensure_model
+
+    built = ensure_model(tmp_path, "llama3-1b")
+    config = orjson.loads((built / "config.json").read_bytes())
+    shape = {key: config[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers")}
+    assert shape == {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (32, 8)
+    rope_theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]  # transformers 5
+    assert (config["vocab_size"], rope_theta) == (128256, 500000.0)
+    assert config["tie_word_embeddings"] is True
+    assert not list(built.glob("*.safetensors"))  # vLLM's dummy load fills the weights
+    assert Settings(tiny_model_shape="llama3-1b").tiny_model_shape == "llama3-1b"

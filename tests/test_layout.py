@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming"}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
+# shared.procs (several API processes) runs the http layer's server in each of them.
 LAYER_OF_PACKAGE = {
     "shared.obs": 1,
     "shared.engine": 2,
     "shared.identity": 3,
     "shared.responses": 5,
     "shared.http": 6,
+    "shared.procs": 6,
 }
 ASSEMBLY, TOP = 4, 7
 NAMES = {

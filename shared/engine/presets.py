@@ -44,6 +44,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# No preset sets BUNDLE_API_PROCESSES (several API processes on one engine core, shared/procs/)
+# until the H200 has measured it (`bash bench/gpu.sh procs-1b`, `procs-1b-n`, `procs-8b`):
+# - about 1B (Llama-3.2-1B shape): more than one is the point (one process was the ceiling, at
+#   0.86x raw's tok/s, issue 39); which N is to be measured;
+# - 8B: one, until `procs-8b` shows that 4 cost nothing (one kept raw's tok/s at 256 streams);
+# - larger: one (not measured): fewer tokens per second per GPU, less work for the API process.
+# docs/performance.md, "Which N for which model", keeps the same table.
+
 # Knobs a preset sets only on a GPU. vLLM's CPU build refuses FP8 for float32 models, and the
 # local test model is float32 on purpose (see shared/engine/vllm.py, _dtype): the Modal app, run
 # locally on CPU by the tests, must start with its default preset. An explicit setting applies

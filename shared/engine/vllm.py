@@ -13,7 +13,7 @@ import gc
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -785,9 +785,13 @@ def log_features(features: EngineFeatures) -> None:
 
 
 @asynccontextmanager
-async def open_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
-    """Start vLLM, yield the engine, and always shut it down (its core is a child process)."""
-    llm = start_llm(settings)
+async def open_engine(
+    settings: Settings, start: Callable[[Settings], Any] = start_llm
+) -> AsyncIterator[VLLMEngine]:
+    """Start vLLM, yield the engine, and always shut it down (its core is a child process).
+    `start` makes the `AsyncLLM`: by default with its own engine core; one of several API
+    processes passes one that joins a shared core (shared/procs/engine_client.py)."""
+    llm = start(settings)
     stack = contextlib.ExitStack()
     try:
         info = EngineInfo(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Callable, Iterator
 from types import FrameType
 
@@ -25,9 +26,15 @@ from shared.server_state import ExitRequest
 from shared.settings import Settings
 
 
-def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | None = None) -> int:
+def run_server(
+    settings: Settings,
+    make_app: Callable[[ExitRequest], FastAPI] | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> int:
     """Serve the API until a signal or engine death; return the exit code the process should use.
-    `make_app(request_exit)` builds the app (default: `create_app(settings, request_exit=...)`)."""
+    `make_app(request_exit)` builds the app (default: `create_app(settings, request_exit=...)`).
+    `sockets`: serve on these, bound by the caller (shared/procs/listeners.py), instead of
+    binding BUNDLE_HOST:BUNDLE_PORT."""
     from shared.http.api import create_app
 
     exit_code = 0
@@ -52,7 +59,10 @@ def run_server(settings: Settings, make_app: Callable[[ExitRequest], FastAPI] | 
         **uvicorn_options(settings),
     )
     server = DrainingServer(config, on_signal)
-    server.run()
+    if sockets is None:
+        server.run()  # binds BUNDLE_HOST:BUNDLE_PORT itself, as ever
+    else:
+        server.run(sockets=sockets)
     return exit_code
 
 

@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from shared.obs.engine_outputs import OutputTimings
 from shared.obs.loop_metrics import LoopCounter, LoopHistogram
+from shared.obs.process_metrics import ProcessBoard
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ _STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._board: ProcessBoard | None = None  # set in one of several API processes
         r = self.registry
         self.time_to_first_token = Histogram(
             "bundle_time_to_first_token_seconds",
@@ -203,7 +205,14 @@ class Metrics:
         took to hand them out (shared/obs/engine_outputs.py), read at scrape time."""
         self.registry.register(_EngineOutputsCollector(timings))
 
+    def share_with(self, board: ProcessBoard) -> None:
+        """From now on /metrics shows the whole server: this process's figures added up with the
+        other API processes' (BUNDLE_API_PROCESSES > 1; shared/obs/process_metrics.py)."""
+        self._board = board
+
     def exposition(self) -> bytes:
+        if self._board is not None:
+            return self._board.exposition(self.registry)
         return generate_latest(self.registry)
 
 
