@@ -97,6 +97,11 @@ class GatedEngine:
         self._decode: Callable[[Sequence[int]], str] | None = None
         self._frozen = 0  # holds that keep the engine paused right now
 
+    @property
+    def inner(self) -> Engine:
+        """The engine behind the gate (a test that needs its own type: VLLMEngine's features)."""
+        return self._engine
+
     def __getattr__(self, name: str) -> Any:
         # Everything but `generate` (info, tokenize, healthy, running_requests, llm...) passes.
         return getattr(self._engine, name)

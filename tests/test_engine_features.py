@@ -18,6 +18,7 @@ from shared.engine import vllm_features
 from shared.engine.vllm import VLLMEngine, log_features
 from shared.engine.vllm_features import EngineFeatures, Feature
 from tests.conftest import LiveServers
+from tests.gate import GatedEngine
 from tests.real_server import GroupSigterm, RealStart
 
 # Every feature detected, so that a detection dropped or added is a decision seen here.
@@ -39,7 +40,7 @@ UNIQUE_ITEMS = {"type": "array", "items": {"type": "integer"}, "uniqueItems": Tr
 
 
 def engine_of(live: LiveServers) -> VLLMEngine:
-    engine = live.engine
+    engine = live.engine.inner if isinstance(live.engine, GatedEngine) else live.engine
     assert isinstance(engine, VLLMEngine)
     return engine
 
