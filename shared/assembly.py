@@ -98,19 +98,19 @@ async def prepare_start(settings: Settings, weights: str | None = None) -> Setti
     point_caches_at(settings)  # before the import, which the variables may concern
     started = time.monotonic()
     resolved, pack, import_s = await asyncio.gather(
-        asyncio.to_thread(_with_weights, settings, weights),
+        asyncio.to_thread(with_weights, settings, weights),
         asyncio.to_thread(fetch_pack, settings),
         asyncio.to_thread(_timed, import_engine_modules),
     )
     log.info(
-        "start prepared in %.1f s: vLLM imported in %.1f s, beside the weights and the compile-cache pack",
+        "start prepared in %.1f s (vLLM imported in %.1f s while the weights and the pack were fetched)",
         time.monotonic() - started,
         import_s,
     )
     return resolved.model_copy(update={"compile_cache": _pack_to_use(settings, pack, weights)})
 
 
-def _with_weights(settings: Settings, weights: str | None) -> Settings:
+def with_weights(settings: Settings, weights: str | None) -> Settings:
     if not weights:
         return settings
     return settings.model_copy(update={"model": resolve_weights(weights, settings.cache_dir)})

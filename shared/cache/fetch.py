@@ -55,9 +55,8 @@ def download_pack(url: str, cache_dir: Path) -> Path:
         raise CompileCacheRefused(f"downloading it failed: {exc}") from exc
     finally:
         pending.unlink(missing_ok=True)
-    log.info(
-        "compile-cache pack: downloaded %.1f MiB in %.1f s", size / CHUNK_BYTES, time.monotonic() - started
-    )
+    seconds = time.monotonic() - started
+    log.info("compile-cache pack: downloaded %.1f MiB from %s in %.1f s", size / CHUNK_BYTES, url, seconds)
     return final
 
 

@@ -224,16 +224,16 @@ class _open_tar:  # noqa: N801  (a context manager used like `open`)
         except FileNotFoundError as exc:
             raise CompileCacheRefused(f"{self.source} does not exist") from exc
         except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-            raise CompileCacheRefused(f"{self.source} is not a readable .tar/.tar.gz: {exc}") from exc
+            raise CompileCacheRefused(f"{self.source} is not a readable .tar/.tar.gz: {_said(exc)}") from exc
         return self.tar
 
     def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
         if self.tar is not None:
             self.tar.close()
         if isinstance(error, tarfile.FilterError):
-            raise CompileCacheRefused(f"an unsafe member, refused: {error}") from error
+            raise CompileCacheRefused(f"an unsafe member, refused: {_said(error)}") from error
         if isinstance(error, (tarfile.TarError, EOFError, zlib.error)):
-            raise CompileCacheRefused(f"the archive is damaged or cut short: {error}") from error
+            raise CompileCacheRefused(f"the archive is damaged or cut short: {_said(error)}") from error
 
 
 def _manifest_member(tar: tarfile.TarFile) -> Manifest:
@@ -340,6 +340,12 @@ def _count_files(path: Path) -> int:
     if not path.is_dir():
         return 1
     return sum(len(names) for _, _, names in os.walk(path))
+
+
+def _said(exc: BaseException) -> str:
+    """An exception's first line (tarfile lists every method it tried, one per line)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0].rstrip(":") if lines else type(exc).__name__
 
 
 def _os_problem(exc: OSError) -> str:
