@@ -252,12 +252,15 @@ def part_rest(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, A
         files.close()
     root = work / "serve-root"
     shutil.rmtree(root, ignore_errors=True)
-    env = fresh_env(work / "serve-home", BUNDLE_COMPILE_CACHE_DIR=str(root))
+    # The built-in model stays where it was built (a test fixture, not part of a cold start).
+    model_home = str(Settings().cache_dir)
+    env = fresh_env(work / "serve-home", BUNDLE_CACHE_DIR=model_home, BUNDLE_COMPILE_CACHE_DIR=str(root))
     boots["serve-empty"] = boot_serve("serve-empty", env, work, timeout_s)
     packs = {"serve": make_pack(root, work / "serve-pack.tar")}
     shutil.rmtree(root)
     env = fresh_env(
         work / "serve-home",
+        BUNDLE_CACHE_DIR=model_home,
         BUNDLE_COMPILE_CACHE_DIR=str(root),
         BUNDLE_COMPILE_CACHE=str(work / "serve-pack.tar"),
     )

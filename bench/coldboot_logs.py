@@ -71,14 +71,16 @@ def cog_phases(log: Path, spawned: float) -> dict[str, Any]:
 
 
 def rollup(seen: dict[str, float]) -> dict[str, float]:
-    """The issue's columns, where their milestones were seen."""
+    """The issue's columns, where their milestones were seen. Imports end where the engine start
+    begins: "start prepared" (imports beside the downloads), or in older logs "starting vLLM"."""
+    begins = next((seen[name] for name in ("prepared", "engine_starting") if name in seen), None)
     spans = {
-        "imports_s": ("coglet_up", "prepared"),
-        "engine_init_s": ("prepared", "engine_init"),
-        "warm_up_s": ("engine_init", "warm_up"),
-        "setup_s": ("coglet_up", "setup_complete"),
+        "imports_s": (seen.get("coglet_up"), begins),
+        "engine_init_s": (begins, seen.get("engine_init")),
+        "warm_up_s": (seen.get("engine_init"), seen.get("warm_up")),
+        "setup_s": (seen.get("coglet_up"), seen.get("setup_complete")),
     }
-    return {name: round(seen[b] - seen[a], 3) for name, (a, b) in spans.items() if a in seen and b in seen}
+    return {name: round(b - a, 3) for name, (a, b) in spans.items() if a is not None and b is not None}
 
 
 def _import_seconds(lines: list[tuple[float, str]]) -> float | None:
@@ -86,3 +88,24 @@ def _import_seconds(lines: list[tuple[float, str]]) -> float | None:
         if found := IMPORT_SECONDS.search(message):
             return float(found.group(1))
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.coldboot_logs COGLET.LOG`: the phases of a coglet log made elsewhere
+    (bench/gpu.sh cog's coglet.log, say), timed from its first line."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m bench.coldboot_logs", description=main.__doc__)
+    parser.add_argument("log", type=Path)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    lines = coglet_lines(args.log)
+    if not lines:
+        parser.error(f"{args.log} holds no coglet JSON lines")
+    found = cog_phases(args.log, lines[0][0])
+    print(json.dumps({k: found[k] for k in ("rollup", "phases", "vllm_import_s")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -89,11 +89,14 @@ def throttled_server(body: bytes, rate_bytes_s: float) -> Iterator[str]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             began = time.monotonic()
-            for offset in range(0, len(body), CHUNK):
-                self.wfile.write(body[offset : offset + CHUNK])
-                ahead = (offset + CHUNK) / rate_bytes_s - (time.monotonic() - began)
-                if ahead > 0:
-                    time.sleep(ahead)
+            try:
+                for offset in range(0, len(body), CHUNK):
+                    self.wfile.write(body[offset : offset + CHUNK])
+                    ahead = (offset + CHUNK) / rate_bytes_s - (time.monotonic() - began)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the fetcher's first request reads the headers only (its size probe)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
