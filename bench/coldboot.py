@@ -93,6 +93,12 @@ class _QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
 
+    def copyfile(self, source: Any, outputfile: Any) -> None:
+        try:
+            super().copyfile(source, outputfile)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the weights fetcher's first request reads the headers only (its size probe)
+
 
 def weights_tar(model: Path, pack: Path | None = None) -> bytes:
     """The model folder as a Cog weights tar; with `pack`, its contents beside it as `cache/`."""

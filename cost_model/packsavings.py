@@ -101,7 +101,7 @@ def render_text(s: Savings, console: Console) -> None:
     for level in s.levels:
         table.add_row(
             f"{level.requests_per_day:,.0f}",
-            f"{level.empty.cold_starts_per_day or 0:,.1f}",
+            f"{level.empty.cold_starts_per_day or 0:,.1f} -> {level.pack.cold_starts_per_day or 0:,.1f}",
             f"{level.empty.waited_share or 0:.1%} -> {level.pack.waited_share or 0:.1%}",
             f"${level.empty.cost_per_month:,.2f}",
             f"${level.pack.cost_per_month:,.2f}",
