@@ -25,6 +25,7 @@ Engine settings come from BUNDLE_* as everywhere: on a CPU box the tiny model an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -94,10 +95,9 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
     def copyfile(self, source: Any, outputfile: Any) -> None:
-        try:
+        # The weights fetcher's first request reads the headers only (its size probe).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             super().copyfile(source, outputfile)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the weights fetcher's first request reads the headers only (its size probe)
 
 
 def weights_tar(model: Path, pack: Path | None = None) -> bytes:
