@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from bench.cog_rehearsal import coglet, wait_setup
-from bench.coldboot_logs import cog_phases
+from bench.coldboot_logs import cog_phases, setup_errors
 from bench.servers import free_port, wait_healthy
 from bench.startup import LogCapture, machine, milestones, phases, spawned_server, vllm_version
 from shared.cache.layout import ROOT_NAME, cache_env
@@ -111,6 +111,7 @@ def weights_tar(model: Path, pack: Path | None = None) -> bytes:
                 for info in packed.getmembers():
                     reader = packed.extractfile(info)
                     info.name = f"{PACK_FOLDER}/{info.name}"
+                    info.pax_headers.pop("path", None)  # a long name's PAX record would win over .name
                     tar.addfile(info, reader)
     return out.getvalue()
 
@@ -172,6 +173,7 @@ def boot_cog(name: str, env: dict[str, str], work: Path, timeout_s: float) -> di
             result["greedy"] = greedy_cog(f"http://127.0.0.1:{port}")
         else:
             result["health_check"] = answer
+            result["setup_errors"] = setup_errors(log)
     return {**result, **cog_phases(log, spawned), "log": log.name}
 
 

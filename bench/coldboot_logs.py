@@ -9,6 +9,7 @@ bundle's are its own log lines. A milestone whose line never appears is left out
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from datetime import datetime
@@ -47,6 +48,17 @@ def coglet_lines(log: Path) -> list[tuple[float, str]]:
             found.append((stamp, str(entry["fields"]["message"]).strip()))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
+    return found
+
+
+def setup_errors(log: Path) -> list[str]:
+    """The `error` fields coglet logs when setup fails (the runner's exception is there)."""
+    found = []
+    for raw in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            error = json.loads(raw)["fields"].get("error")
+            if error:
+                found.append(str(error)[:1000])
     return found
 
 

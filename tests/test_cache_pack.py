@@ -30,7 +30,7 @@ from shared.cache.__main__ import main as cli
 from shared.cache.layout import RECORD, read_record, write_record
 from shared.cache.manifest import CACHES_DIR, MANIFEST_NAME, StartKey
 from shared.cache.pack import STAGING_PREFIX, unpack_into, write_pack
-from shared.cache.start import apply_pack, use_compile_caches
+from shared.cache.start import apply_pack, fetch_pack, use_compile_caches
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,6 +379,42 @@ def test_a_pack_setting_gives_a_root_the_caches_point_at_and_records_the_start(
     assert {name: os.environ[name] for name in layout.cache_env(root)} == layout.cache_env(root)
     assert read_record(root) == key
     assert "absent.tar does not exist" in caplog.text  # and the start goes on
+
+
+def test_the_hook_survives_its_own_failures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in layout.cache_env("/x"):
+        monkeypatch.setenv(name, "before")
+    settings = Settings(cache_dir=tmp_path, compile_cache=str(tmp_path / "p.tar"))
+
+    def no_key(*args: Any) -> Any:
+        raise RuntimeError("NVML exploded")
+
+    monkeypatch.setattr("shared.cache.start.start_key", no_key)
+    with caplog.at_level(logging.INFO, logger="shared.cache"):
+        assert use_compile_caches(settings, Args("m")) is None
+    assert "key cannot be read: unexpected RuntimeError: NVML exploded" in caplog.text
+
+    def unwritable(*args: Any) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.undo()
+    for name in layout.cache_env("/x"):
+        monkeypatch.setenv(name, "before")
+    monkeypatch.setattr("shared.cache.start.write_record", unwritable)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shared.cache"):
+        assert use_compile_caches(Settings(cache_dir=tmp_path, compile_cache_dir=tmp_path / "r"), Args("m"))
+    assert "cannot be recorded" in caplog.text and "read-only file system" in caplog.text
+
+
+def test_fetching_a_pack_never_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def broken(*args: Any) -> Any:
+        raise OSError("no space for the folder")
+
+    monkeypatch.setattr("shared.cache.start.local_pack", broken)
+    assert fetch_pack(Settings(cache_dir=tmp_path, compile_cache="https://example.invalid/p.tar")) is None
 
 
 # --- the command line -------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ def with_pack_inside(model: Path, pack: Path) -> bytes:
         for info in packed.getmembers():
             reader = packed.extractfile(info)
             info.name = f"{weights.PACK_FOLDER}/{info.name}"
+            info.pax_headers.pop("path", None)  # a long name's PAX record would win over .name
             tar.addfile(info, reader)
     return out.getvalue()
 

@@ -42,11 +42,11 @@ def local_pack(source: str, cache_dir: Path) -> Path:
 
 def download_pack(url: str, cache_dir: Path) -> Path:
     folder = cache_dir / PACKS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(url.encode()).hexdigest()[:24]
     final, pending = folder / f"{name}.tar", folder / f"{name}.tar.part"
     started = time.monotonic()
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         size = _stream(url, pending)
         os.replace(pending, final)
     except httpx.HTTPError as exc:
@@ -56,7 +56,13 @@ def download_pack(url: str, cache_dir: Path) -> Path:
     finally:
         pending.unlink(missing_ok=True)
     seconds = time.monotonic() - started
-    log.info("compile-cache pack: downloaded %.1f MiB from %s in %.1f s", size / CHUNK_BYTES, url, seconds)
+    log.info(
+        "compile-cache pack: downloaded %.1f MiB from %s into %s in %.1f s",
+        size / CHUNK_BYTES,
+        url,
+        final,
+        seconds,
+    )
     return final
 
 

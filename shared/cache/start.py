@@ -30,14 +30,22 @@ NOT_USED = "compile-cache pack %s: not used, %s; starting without it"
 
 def use_compile_caches(settings: Settings, engine_args: Any) -> StartKey | None:
     """Point the caches at the settings' root, apply the settings' pack where it matches, record
-    this start's key; the key, or None when these settings keep no root."""
+    this start's key; the key, or None when these settings keep no root. Never raises for the
+    pack or the bookkeeping: a start without them is a start as it always was."""
     root = point_caches_at(settings)
     if root is None:
         return None
-    here = start_key(engine_args, root)
+    try:
+        here = start_key(engine_args, root)
+    except Exception as exc:
+        log.warning(NOT_USED, settings.compile_cache, f"this start's key cannot be read: {_said(exc)}")
+        return None
     if settings.compile_cache is not None:
         apply_pack(settings.compile_cache, settings.cache_dir, root, here)
-    write_record(root, here)
+    try:
+        write_record(root, here)
+    except OSError as exc:
+        log.warning("compile caches: this start cannot be recorded in %s (%s), so not packed later", root, exc)
     return here
 
 
@@ -49,19 +57,17 @@ def fetch_pack(settings: Settings) -> Path | None:
     try:
         return local_pack(settings.compile_cache, settings.cache_dir)
     except CompileCacheRefused as exc:
-        log.warning(
-            "compile-cache pack %s: not used, %s; starting without it", settings.compile_cache, exc.message
-        )
-        return None
+        log.warning(NOT_USED, settings.compile_cache, exc.message)
+    except Exception as exc:  # a pack must never make a start fail, whatever went wrong
+        log.warning(NOT_USED, settings.compile_cache, _said(exc))
+    return None
 
 
 def apply_pack(source: str, cache_dir: Path, root: Path, here: StartKey) -> bool:
     """Unpack the pack `source` names into `root` if it was made for `here`; whether it was.
     Logs exactly one line either way."""
     if read_record(root) == here:
-        log.info(
-            "compile-cache pack %s: not needed, %s already holds the caches of this same start", source, root
-        )
+        log.info("compile-cache pack %s: not needed, %s already holds this same start's caches", source, root)
         return False
     try:
         done = unpack_into(local_pack(source, cache_dir), root, here)
@@ -69,12 +75,7 @@ def apply_pack(source: str, cache_dir: Path, root: Path, here: StartKey) -> bool
         log.warning(NOT_USED, source, exc.message)
         return False
     except Exception as exc:  # a pack must never make a start fail, whatever went wrong
-        log.warning(
-            "compile-cache pack %s: not used, unexpected %s: %s; starting without it",
-            source,
-            type(exc).__name__,
-            exc,
-        )
+        log.warning(NOT_USED, source, _said(exc))
         return False
     log.info(
         "compile-cache pack %s: used, %d files (%.1f MiB, %d new) unpacked into %s in %.2f s",
@@ -86,3 +87,7 @@ def apply_pack(source: str, cache_dir: Path, root: Path, here: StartKey) -> bool
         done.seconds,
     )
     return True
+
+
+def _said(exc: BaseException) -> str:
+    return f"unexpected {type(exc).__name__}: {exc}"

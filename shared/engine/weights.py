@@ -6,10 +6,12 @@ ranged requests at once when the server takes `Range` (one stream when it does n
 with tarfile's "data" filter (no absolute paths, no `..`, no links leading out), and the model
 folder inside is returned. Anything else (a local folder, a Hugging Face id) is passed through.
 
-vLLM is given the model through one stable link, `cache_dir/weights/served-model`, whatever the
-URL: vLLM's compile cache is keyed by the path it loads from, so a compile-cache pack made with
-one weights URL serves another URL of the same weights (say the same tar with a `cache/` folder
-added: the pack travelling inside the weights, `bundled_pack`).
+vLLM is given the model through a stable link, `cache_dir/weights/served-<hash of its
+config.json>`, whatever the URL: vLLM's compile cache is keyed by the path it loads from, so a
+compile-cache pack made with one weights URL serves another URL of the same weights (say the same
+tar with a `cache/` folder added: the pack travelling inside the weights, `bundled_pack`), or of
+another fine-tune of the same base. One setup at a time per cache folder, then (a container has
+its own): two fine-tunes of one base set up at once in one folder would share the link.
 
 A cache entry counts as complete only once its `complete.json` exists, and that file is written
 last: after every byte arrived (the count checked against the server's length) and the archive
@@ -57,7 +59,7 @@ PROGRESS_EVERY_S = 5.0
 DISK_MARGIN_BYTES = 64 * MIB
 TIMEOUT = httpx.Timeout(60.0, connect=30.0)
 COMPLETE_MARKER = "complete.json"
-SERVED_LINK = "served-model"  # cache_dir/weights/served-model -> the model folder being served
+SERVED_LINK = "served"  # cache_dir/weights/served-<config hash> -> the model folder being served
 PACK_FOLDER = "cache"  # a compile-cache pack inside the weights tar, beside the model
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -77,9 +79,12 @@ def resolve_weights(
 
 
 def serve_through_link(model: Path, cache_dir: Path) -> Path:
-    """The stable path vLLM is given for `model` (a link swapped atomically to point at it)."""
-    link = cache_dir / "weights" / SERVED_LINK
-    pending = link.with_name(f"{SERVED_LINK}.{os.getpid()}.tmp")
+    """The stable path vLLM is given for `model`: a link named by its config.json's hash,
+    swapped atomically to point at it. Weights of one architecture and shape (fine-tunes of one
+    base) share the link, and so a pack; other models in the same cache folder get their own."""
+    digest = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:16]
+    link = cache_dir / "weights" / f"{SERVED_LINK}-{digest}"
+    pending = link.with_name(f"{link.name}.{os.getpid()}.tmp")
     pending.unlink(missing_ok=True)
     pending.symlink_to(model.resolve(), target_is_directory=True)
     os.replace(pending, link)
