@@ -45,9 +45,9 @@ from typing import Any
 import httpx
 
 from bench.cog_rehearsal import coglet, wait_setup
-from bench.coldboot_logs import cog_phases, setup_errors
+from bench.coldboot_logs import COG_MILESTONES, cog_phases, setup_errors
 from bench.servers import free_port, wait_healthy
-from bench.startup import LogCapture, machine, milestones, phases, spawned_server, vllm_version
+from bench.startup import PHASES, LogCapture, machine, milestones, phases, spawned_server, vllm_version
 from shared.cache.layout import ROOT_NAME, cache_env
 from shared.cache.manifest import MANIFEST_NAME
 from shared.engine.vllm import resolve_model_path
@@ -327,6 +327,44 @@ def report(args: argparse.Namespace, boots: dict[str, Any], packs: dict[str, Any
     }
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """One table: a column per boot, a row per phase (seconds from the previous milestone seen),
+    then the roll-up the issue's table uses and seconds to ready."""
+    boots = result["boots"]
+    names = list(boots)
+    order = [name for name, _ in COG_MILESTONES] + [name for name in PHASES if name not in dict(COG_MILESTONES)]
+    seen = {p for boot in boots.values() for p in boot.get("phases", {})}
+    phases_seen = [name for name in order if name in seen] + sorted(seen - set(order))
+    rollups = list(dict.fromkeys(r for boot in boots.values() for r in boot.get("rollup", {})))
+    lines = [
+        f"Cold boots, {result['model']} on {_where(result['machine'])}, vLLM {result['vllm']}",
+        "",
+        "| phase (s) | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for phase in phases_seen:
+        lines.append(
+            f"| {phase} | " + " | ".join(_cell(boots[n].get("phases", {}).get(phase)) for n in names) + " |"
+        )
+    for name in rollups:
+        lines.append(
+            f"| *{name}* | " + " | ".join(_cell(boots[n].get("rollup", {}).get(name)) for n in names) + " |"
+        )
+    lines.append("| **ready** | " + " | ".join(f"**{_cell(boots[n]['ready_s'])}**" for n in names) + " |")
+    lines.append(
+        "\nCog: from coglet's spawn to READY (GET /health-check, polled every 0.5 s); serve: to /health 200."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _where(machine: Any) -> str:
+    return machine if isinstance(machine, str) else str(machine.get("gpu") or machine.get("cpu"))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.coldboot", description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=PARTS, required=True)
@@ -349,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = report(args, boots, packs)
     (args.out / "coldboot.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "coldboot.md").write_text(markdown(result))
     print(
         json.dumps(
             {"ready_s": {k: v["ready_s"] for k, v in result["boots"].items()}, "checks": result["checks"]}
