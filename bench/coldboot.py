@@ -111,7 +111,8 @@ def weights_tar(model: Path, pack: Path | None = None) -> bytes:
                 for info in packed.getmembers():
                     reader = packed.extractfile(info)
                     info.name = f"{PACK_FOLDER}/{info.name}"
-                    info.pax_headers.pop("path", None)  # a long name's PAX record would win over .name
+                    # A long name's PAX "path" record would win over the new .name: drop it.
+                    info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "path"}
                     tar.addfile(info, reader)
     return out.getvalue()
 

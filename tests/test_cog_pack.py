@@ -68,7 +68,8 @@ def with_pack_inside(model: Path, pack: Path) -> bytes:
         for info in packed.getmembers():
             reader = packed.extractfile(info)
             info.name = f"{weights.PACK_FOLDER}/{info.name}"
-            info.pax_headers.pop("path", None)  # a long name's PAX record would win over .name
+            # A long name's PAX "path" record would win over the new .name: drop it.
+            info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "path"}
             tar.addfile(info, reader)
     return out.getvalue()
 
