@@ -117,9 +117,12 @@ def python_on_path(folder: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def coglet(port: int, slots: int, log: Path, work: Path) -> Iterator[subprocess.Popen[bytes]]:
+def coglet(
+    port: int, slots: int, log: Path, work: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """coglet serving the runner; `env` (default: this process's) is the server's environment."""
     env = {
-        **os.environ,
+        **(os.environ if env is None else env),
         **python_on_path(work / "bin"),
         "COG_PREDICT_TYPE_STUB": RUNNER,
         "COG_MAX_CONCURRENCY": str(slots),

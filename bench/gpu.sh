@@ -87,6 +87,13 @@
 #      coglet.log + serve.log. .whl/cog/ must hold the Cog wheels (pure Python + abi3 coglet):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_17_x86_64 -d .whl/cog cog==0.23.1 coglet==0.23.1 structlog==26.1.0
+#   cold boot from an empty container (issue 38), two commands in one lease (the second needs the
+#      first's pack in /tmp/coldboot), each under 10 minutes, results merged into one JSON:
+#      run(carry=[".whl"], "bash bench/gpu.sh coldboot-cog")   # ~4 min: Cog empty, then with the pack
+#      run("bash bench/gpu.sh coldboot-rest")                   # ~5 min: Cog with a mismatched pack,
+#      shared.serve empty, then with its pack -> $OUT/coldboot/coldboot.json + every boot's log.
+#      Needs .whl/cog/ as the `cog` stage does. Each boot: a fresh HOME and cache folder, COG_WEIGHTS
+#      the URL of a tar of the model folder (a local HTTP server), 16 greedy prompts.
 set -euo pipefail
 stage=${1:-}
 if [ ! -d /tmp/site/vllm ]; then
@@ -255,6 +262,22 @@ case "$stage" in
       --rate "${BENCH_RATE:-8}" --open-seconds 10 --prompt-tokens 512 --output-tokens 256 --machine "$machine" || status=$?
     mkdir -p "${OUT:-/tmp/out}/cog" && cp bench/gpu-results/cog/cog.json bench/gpu-results/cog/*.log "${OUT:-/tmp/out}/cog/" 2>/dev/null || true
     exit $status ;;
+  coldboot-cog|coldboot-rest)  # issue 38: bench/coldboot.py; the header says what each boots
+    [ -d /tmp/cog-site/coglet ] || python3 -m pip install -q --no-index --no-deps --target /tmp/cog-site .whl/cog/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/cog-site
+    # A built image ships compiled bytecode; the pip --no-compile install above does not.
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    [ -f /tmp/cog-site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/cog-site "$PWD/cog" > /dev/null || true; touch /tmp/cog-site/.bytecode; }
+    # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
+    python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
+    merge=()
+    if [ "$stage" = coldboot-rest ]; then merge=(--merge); fi
+    status=0
+    python3 -m bench.coldboot --part "${stage#coldboot-}" --work /tmp/coldboot --out bench/gpu-results/coldboot \
+      --timeout 300 --machine "$machine" "${merge[@]}" || status=$?
+    mkdir -p "${OUT:-/tmp/out}/coldboot" && cp bench/gpu-results/coldboot/coldboot.json /tmp/coldboot/*.log "${OUT:-/tmp/out}/coldboot/" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+    exit $status ;;
   lora)  # stops at the first failure: a server that dies or lists no adapters ends the stage at once
     status=0
     timeout 540 python3 -m bench lora --adapters 4 --rank 16 --level 64 --rounds 2 --repeat 3 --prompt-tokens 512 \
@@ -288,6 +311,6 @@ case "$stage" in
     exit 0 ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

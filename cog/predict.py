@@ -53,7 +53,8 @@ import coglet
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
-from shared.assembly import start_service
+from shared.assembly import prepare_start, start_service
+from shared.cache.layout import with_default_root
 
 cog_cancel.install_coglet_cancel_hook()  # before coglet submits the first run()
 # Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
@@ -66,10 +67,14 @@ class Runner(BaseRunner):
     async def setup(self, weights: Path | str | None = None) -> None:  # type: ignore[override]
         # Runs on coglet's shared loop, so the engine's output handler does too. A failure here
         # propagates: coglet reports SETUP_FAILED and never serves a prediction.
-        # COG_WEIGHTS may be a URL of a .tar to download and unpack (minutes for a real model):
-        # in a thread, so coglet's loop stays free meanwhile.
+        # COG_WEIGHTS may be a URL of a .tar to download and unpack (minutes for a real model),
+        # and BUNDLE_COMPILE_CACHE a compile-cache pack's URL: both are fetched in threads while
+        # a third imports vLLM, so coglet's loop stays free and the import costs no extra time.
+        # The caches always live in one root under the cache dir, so that this container's
+        # start can be packed and shipped to the next (docs/cog.md, "Cold boot").
         bridge.send_core_logs_to_stderr()  # the download's progress reaches the setup log
-        settings = await asyncio.to_thread(bridge.runner_settings, weights)
+        base = with_default_root(bridge.runner_settings(None))
+        settings = await prepare_start(base, str(weights) if weights else None)
         self._stack = contextlib.AsyncExitStack()
         # The core's one assembly, as the HTTP server's: engine, death guard and watchdog, loop
         # lag, identity (shared across instances with BUNDLE_REDIS_URL), and the warm-up before

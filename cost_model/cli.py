@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from cost_model import catalogue as catmod
+from cost_model import packsavings_cli
 from cost_model.advice import DEFAULT_P95_TTFT_S
 from cost_model.analysis import analyse
 from cost_model.billing import Overrides
@@ -45,6 +46,7 @@ examples:
   python -m cost_model estimate --scenario seed --plot cost.png
   python -m cost_model catalogue            # list priced entries and their sources
   python -m cost_model sweep-bench          # time 200 rates x every catalogue entry
+  python -m cost_model pack-savings         # what a compile-cache pack saves on Replicate
 """
 
 
@@ -211,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     cat = sub.add_parser("catalogue", help="list the price catalogue with sources")
     cat.add_argument("--catalogue", type=Path, help="override file to merge first")
     sub.add_parser("sweep-bench", help="time a 200-rate sweep over every catalogue entry")
+    packsavings_cli.add_parser(sub)
     return parser
 
 
@@ -510,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             run_estimate(args, console)
         elif args.command == "catalogue":
             run_catalogue(args, console)
+        elif args.command == "pack-savings":
+            packsavings_cli.run(args, console)
         else:
             from cost_model.bench_sweep import main as sweep_main
 

@@ -9,6 +9,9 @@ up unless BUNDLE_WARM_UP=0 or it was warmed already (before a snapshot), guards 
 and shutdown (shared/server_state.py), sets the garbage collector's serving thresholds, and runs
 the engine-death watchdog, the loop-lag watcher and the GC pause timer for the service's lifetime.
 Leaving aborts what still runs and stops the engine it opened.
+
+Before it, a server whose weights come from a URL (the Cog runner) calls `prepare_start`: the
+weights, a compile-cache pack and vLLM's import, side by side instead of one after the other.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 
-from shared.engine.vllm import Engine, open_engine
+from shared.cache.layout import point_caches_at
+from shared.cache.start import fetch_pack
+from shared.engine.vllm import Engine, import_engine_modules, open_engine
+from shared.engine.weights import bundled_pack, resolve_weights
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.server_state import GuardedEngine, Lifecycle
@@ -77,3 +85,50 @@ async def _watched(service: Service, lifecycle: Lifecycle) -> AsyncIterator[None
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         lifecycle.close()
+
+
+async def prepare_start(settings: Settings, weights: str | None = None) -> Settings:
+    """What the engine start waits for, side by side: the weights `weights` names (a URL:
+    downloaded and unpacked; else served as it is), the compile-cache pack BUNDLE_COMPILE_CACHE
+    names (a URL: downloaded), and vLLM's import (~18 s on the H200), which needs neither.
+    The settings returned serve those weights and name the pack as a local file or folder: the
+    one BUNDLE_COMPILE_CACHE names, else a `cache/` folder that came inside the weights' tar.
+    The engine start unpacks it where it matches (shared/cache/start.py). A weights failure
+    fails the start, as it always did; a pack that cannot be had is one log line."""
+    point_caches_at(settings)  # before the import, which the variables may concern
+    started = time.monotonic()
+    resolved, pack, import_s = await asyncio.gather(
+        asyncio.to_thread(with_weights, settings, weights),
+        asyncio.to_thread(fetch_pack, settings),
+        asyncio.to_thread(_timed, import_engine_modules),
+    )
+    log.info(
+        "start prepared in %.1f s (vLLM imported in %.1f s while the weights and the pack were fetched)",
+        time.monotonic() - started,
+        import_s,
+    )
+    return resolved.model_copy(update={"compile_cache": _pack_to_use(settings, pack, weights)})
+
+
+def with_weights(settings: Settings, weights: str | None) -> Settings:
+    if not weights:
+        return settings
+    return settings.model_copy(update={"model": resolve_weights(weights, settings.cache_dir)})
+
+
+def _pack_to_use(settings: Settings, fetched: Path | None, weights: str | None) -> str | None:
+    bundled = bundled_pack(weights, settings.cache_dir) if weights else None
+    if settings.compile_cache is not None:
+        if bundled is not None:
+            log.info(
+                "compile-cache pack: BUNDLE_COMPILE_CACHE is set, so the weights' %s/ folder is not used",
+                bundled.name,
+            )
+        return str(fetched) if fetched is not None else None
+    return str(bundled) if bundled is not None else None
+
+
+def _timed(work: Callable[[], None]) -> float:
+    started = time.monotonic()
+    work()
+    return time.monotonic() - started

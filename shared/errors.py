@@ -131,6 +131,15 @@ class WeightsUnavailable(BundleError):
     code = "weights_unavailable"
 
 
+class CompileCacheRefused(BundleError):
+    """A compile-cache pack that cannot be used for this start: unreadable, damaged, unsafe, or
+    made for another one. Never fatal: the start logs it in one line and goes on without it."""
+
+    status_code = 500
+    error_type = "server_error"
+    code = "compile_cache_refused"
+
+
 class GenerationFailed(BundleError):
     status_code = 500
     error_type = "server_error"

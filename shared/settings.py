@@ -69,6 +69,24 @@ class ServedModel(Section):
         "config-only (dummy load).",
     )
     tiny_model_seed: int = Field(0, description="Seed of the built-in model's random weights.")
+    compile_cache: str | None = Field(
+        None,
+        description="A compile-cache pack to start from (`python -m shared.cache pack`): a .tar or "
+        ".tar.gz file, an unpacked pack folder, or an http(s) URL. Unpacked only where its "
+        "manifest matches this start; otherwise one log line and the start goes on without it.",
+    )
+    compile_cache_dir: Path | None = Field(
+        None,
+        description="One folder for vLLM's, inductor's, Triton's and FlashInfer's caches, where a "
+        "pack is unpacked and from which `python -m shared.cache pack` makes one. Unset: "
+        "<cache_dir>/compile-cache when a pack is given (and always under Cog), else each cache "
+        "stays where its own defaults put it.",
+    )
+
+    @field_validator("compile_cache", mode="before")
+    @classmethod
+    def _no_pack(cls, value: Any) -> Any:
+        return value or None  # BUNDLE_COMPILE_CACHE= (empty) means no pack
 
     @property
     def model_name(self) -> str:

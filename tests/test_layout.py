@@ -4,7 +4,7 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
-  protocol, streaming) < obs < engine < identity < the assembly (service, lifecycle,
+  protocol, streaming) < obs < engine and cache < identity < the assembly (service, lifecycle,
   server_state, and any other top-level module) < responses (the Responses API, built on the
   service) < http < the entry point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
@@ -23,6 +23,7 @@ ENTRY = {"shared.serve"}
 # shared.procs (several API processes) runs the http layer's server in each of them.
 LAYER_OF_PACKAGE = {
     "shared.obs": 1,
+    "shared.cache": 2,  # used by the engine's start, uses only the foundation
     "shared.engine": 2,
     "shared.identity": 3,
     "shared.responses": 5,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from shared.cache.layout import point_caches_at
+from shared.cache.start import use_compile_caches
 from shared.engine.presets import apply_preset
 from shared.engine.structured import OutputConstraint
 from shared.engine.tiny_model import ensure_model
@@ -703,12 +705,14 @@ def start_llm(settings: Settings) -> Any:
     H100/H200 gets 8,192. The bundle is an OpenAI server, so it asks for the server's defaults:
     the same engine a user would get from vLLM's own server, and a like-for-like benchmark.
     """
+    point_caches_at(settings)  # before vLLM reads its cache folder's variables
     import_engine_modules()
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = engine_args(settings, on_cpu=current_platform.is_cpu())
+    use_compile_caches(settings, args)  # a compile-cache pack, where it was made for this start
     log.info("starting vLLM with model %s", args.model)
     llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
     freeze_startup_heap()

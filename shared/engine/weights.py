@@ -6,6 +6,13 @@ ranged requests at once when the server takes `Range` (one stream when it does n
 with tarfile's "data" filter (no absolute paths, no `..`, no links leading out), and the model
 folder inside is returned. Anything else (a local folder, a Hugging Face id) is passed through.
 
+vLLM is given the model through a stable link, `cache_dir/weights/served-<hash of its
+config.json>`, whatever the URL: vLLM's compile cache is keyed by the path it loads from, so a
+compile-cache pack made with one weights URL serves another URL of the same weights (say the same
+tar with a `cache/` folder added: the pack travelling inside the weights, `bundled_pack`), or of
+another fine-tune of the same base. One setup at a time per cache folder, then (a container has
+its own): two fine-tunes of one base set up at once in one folder would share the link.
+
 A cache entry counts as complete only once its `complete.json` exists, and that file is written
 last: after every byte arrived (the count checked against the server's length) and the archive
 unpacked without an error. A download or unpack cut short leaves no marker, so the next setup
@@ -52,6 +59,8 @@ PROGRESS_EVERY_S = 5.0
 DISK_MARGIN_BYTES = 64 * MIB
 TIMEOUT = httpx.Timeout(60.0, connect=30.0)
 COMPLETE_MARKER = "complete.json"
+SERVED_LINK = "served"  # cache_dir/weights/served-<config hash> -> the model folder being served
+PACK_FOLDER = "cache"  # a compile-cache pack inside the weights tar, beside the model
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -65,7 +74,29 @@ def resolve_weights(
     """What vLLM should load for `source`: the unpacked model folder of a URL, else `source`."""
     if not is_url(source):
         return source  # a local folder or a Hugging Face id: vLLM reads those itself
-    return str(fetch_weights(source, cache_dir, parts=parts, min_part_bytes=min_part_bytes))
+    model = fetch_weights(source, cache_dir, parts=parts, min_part_bytes=min_part_bytes)
+    return str(serve_through_link(model, cache_dir))
+
+
+def serve_through_link(model: Path, cache_dir: Path) -> Path:
+    """The stable path vLLM is given for `model`: a link named by its config.json's hash,
+    swapped atomically to point at it. Weights of one architecture and shape (fine-tunes of one
+    base) share the link, and so a pack; other models in the same cache folder get their own."""
+    digest = hashlib.sha256((model / "config.json").read_bytes()).hexdigest()[:16]
+    link = cache_dir / "weights" / f"{SERVED_LINK}-{digest}"
+    pending = link.with_name(f"{link.name}.{os.getpid()}.tmp")
+    pending.unlink(missing_ok=True)
+    pending.symlink_to(model.resolve(), target_is_directory=True)
+    os.replace(pending, link)
+    return link
+
+
+def bundled_pack(source: str, cache_dir: Path) -> Path | None:
+    """The `cache/` folder that came with the weights at `source` (a URL), if it had one."""
+    if not is_url(source):
+        return None
+    folder = cache_entry(source, cache_dir) / "files" / PACK_FOLDER
+    return folder if folder.is_dir() else None
 
 
 def is_url(source: str) -> bool:
@@ -336,11 +367,12 @@ def unpack(archive: Path, dest: Path, url: str) -> Path:
 
 
 def model_folder(root: Path, url: str) -> Path:
-    """The folder holding config.json: the archive's root, or its single top folder."""
+    """The folder holding config.json: the archive's root, or its single top folder (a
+    compile-cache pack's `cache/` folder beside it does not count)."""
     if (root / "config.json").is_file():
         return root
     # Dot-entries are ignored: archives made on macOS carry `._name` resource forks.
-    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith(".") and p.name != PACK_FOLDER)
     if len(entries) == 1 and (entries[0] / "config.json").is_file():
         return entries[0]
     names = ", ".join(p.name for p in entries[:10]) or "nothing"
