@@ -24,6 +24,8 @@ from shared.streaming import Usage
 
 if TYPE_CHECKING:
     from shared.identity.registry import CancelOutcome, Entry
+    from shared.identity.replicas import Continuer
+    from shared.identity.takeover import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +94,30 @@ class Identity(Protocol):
         resume, or start) when it is (or becomes) this replica's."""
         ...
 
-    def mirror(self, entry: Entry) -> None:
-        """Before a generation with an id starts here: put what others must read behind it."""
+    def mirror(self, entry: Entry, kept: int | None = None) -> None:
+        """Before a generation with an id starts here: put what others must read behind it.
+        `kept`: a takeover's, the count of token ids logged before it that it continues from."""
+        ...
+
+    def record(self, entry: Entry, recipe: Callable[[], Recipe]) -> None:
+        """Once its prompt is rendered: what another replica needs to take it over (built only
+        where a takeover can happen)."""
         ...
 
     def own(self, entry: Entry) -> None:
         """Once it started: record its end where others can read it."""
+        ...
+
+    def continue_with(self, continuer: Continuer) -> None:
+        """How this replica continues a generation it takes over (the service's engine)."""
+        ...
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        """Those ids whose generation runs with nobody left to run it (a takeover would go on)."""
+        ...
+
+    async def hand_off(self) -> None:
+        """Shutting down: hand what runs here over to other replicas, where they can continue it."""
         ...
 
     async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
@@ -122,10 +142,22 @@ class LocalIdentity:
     ) -> Subscription:
         return here()  # no await before it: a lookup and a start cannot be split by another request
 
-    def mirror(self, entry: Entry) -> None:
+    def mirror(self, entry: Entry, kept: int | None = None) -> None:
         pass  # nobody elsewhere reads it
 
+    def record(self, entry: Entry, recipe: Callable[[], Recipe]) -> None:
+        pass  # nobody elsewhere could take it over
+
     def own(self, entry: Entry) -> None:
+        pass
+
+    def continue_with(self, continuer: Continuer) -> None:
+        pass
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        return []  # this process is the only one: what it runs dies with it
+
+    async def hand_off(self) -> None:
         pass
 
     async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
