@@ -247,6 +247,13 @@ async def produce(
     except TimeoutError:
         metrics.aborted_requests.labels("timeout").inc()
         output.finish(GenerationFailed(f"generation exceeded {timeout_s:g} s"))
+    except ShuttingDown as exc:
+        # The engine stopped with the server (a SIGTERM to the whole process group): what another
+        # replica can continue is handed over at once instead of ended.
+        if output.recorder is not None:
+            output.hand_off()
+        else:
+            output.finish(exc)
     except BundleError as exc:
         output.finish(exc)
     except Exception as exc:  # never leave readers hanging on an unexpected failure
