@@ -35,9 +35,6 @@ from shared.identity.store import (
     AppendBatch,
     Claim,
     IdentityStore,
-    claim_key,
-    events_key,
-    recipe_key,
 )
 from shared.identity.tokens import pack_ids
 from shared.obs.metrics import Metrics
@@ -75,9 +72,9 @@ class _Group:
     """One generation's share of a flush."""
 
     recipe: bytes = b""
-    events: list[tuple[int, bytes, bytes, bytes, str]] = field(
-        default_factory=list
-    )  # seq, field, data, ids, kept
+    kind: bytes = DATA  # the field its entries go under: DATA (a stream's events) or TEXT
+    events: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # sequence, data, ids
+    kept: str = ""  # carried by its first event (a takeover's first entry)
     final: tuple[Claim, bytes | None, int, int] | None = None  # claim, answer, its sequence, TTL (ms)
 
 
@@ -117,7 +114,11 @@ class StreamWriter:
     def append(
         self, request_id: str, sequence: int, data: bytes, ids: bytes = b"", kind: bytes = DATA, kept: str = ""
     ) -> None:
-        self._group(request_id).events.append((sequence, kind, data, ids, kept))
+        group = self._group(request_id)
+        if kept:  # a takeover's first entry: no earlier one of this id can share its flush
+            group.kept = kept
+        group.kind = kind
+        group.events.append((sequence, data, ids))
         self._kick()
 
     def finish(
@@ -201,26 +202,35 @@ class StreamWriter:
                 kept.final = kept.final or group.final
 
     def _batch(self, groups: dict[str, _Group]) -> AppendBatch:
-        """The flush as APPEND_SCRIPT's keys and arguments (see shared/identity/store.py)."""
+        """The flush as APPEND_SCRIPT's arguments (see shared/identity/store.py)."""
         batch = AppendBatch(args=[self._max_events, self._running_ttl_ms, len(groups)])
+        args = batch.args
         for request_id, group in groups.items():
             guard = self._guards.get(request_id)
             batch.groups.append(request_id)
-            batch.keys += [events_key(request_id), claim_key(request_id), recipe_key(request_id)]
-            batch.args += [guard.claim if guard is not None else b"", group.recipe, len(group.events)]
-            batch.commands += (1 if guard is not None else 0) + (1 if group.recipe else 0)
-            for sequence, kind, data, ids, kept in group.events:
-                new = request_id not in self._new_streams
+            events = group.events
+            new = bool(events) and request_id not in self._new_streams
+            if new:
                 self._new_streams.add(request_id)
-                batch.args += [sequence, kind, data, ids, kept, 1 if new else 0]
-                batch.commands += 2 if new else 1
-            if group.final is None:
-                batch.args += [b"", b"", 0, 0]
-                continue
-            claim, body, sequence, ttl = group.final
-            batch.args += [claim.encode(), body or b"", sequence, ttl]
-            self._new_streams.discard(request_id)
-            batch.commands += 4 if body is not None else 3
+            first = events[0][0] if events else 0
+            final = group.final
+            header = (
+                f"{first} {len(events)} {int(new)} {group.kind.decode()} "
+                f"{int(bool(group.recipe))} {int(bool(group.kept))} {int(final is not None)}"
+            )
+            args += [request_id, guard.claim if guard is not None else b"", header]
+            for _, data, ids in events:
+                args += [data, ids]
+            if group.recipe:
+                args.append(group.recipe)
+            if group.kept:
+                args.append(group.kept)
+            batch.commands += len(events) + int(new) + int(guard is not None) + int(bool(group.recipe))
+            if final is not None:
+                claim, body, sequence, ttl = final
+                args += [claim.encode(), body or b"", sequence, ttl]
+                self._new_streams.discard(request_id)
+                batch.commands += 4 if body is not None else 3
         return batch
 
 

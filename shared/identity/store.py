@@ -138,12 +138,14 @@ def cancel_channel(replica_id: str) -> str:
 
 
 # The owner's writes of one flush, as one script call, one group of arguments per generation.
-# KEYS per group: its stream, its claim, its recipe. ARGV: max events per stream, the running
-# TTL (ms), the number of groups; then per group: the claim its writer holds ("" for none: no
-# check), its recipe ("" for none), the number of events; per event its sequence, its field
-# (d or x), its data, its token ids ("" for none), its kept count ("" for none) and whether its
-# stream is new (1: set the running TTL); then the group's end: its final claim ("" for none),
-# its answer ("" for a stream), the answer's sequence and the TTL (ms) of the keys after it.
+# ARGV: max events per stream, the running TTL (ms), the number of groups; then per group: its
+# request id, the claim its writer holds ("" for none: no check), and a header "FIRST COUNT NEW
+# FIELD RECIPE KEPT END": the sequence of its first event, its number of events, 1 if its stream
+# is new (set the running TTL), the events' field (d or x), and 1 for each extra that follows;
+# then per event its data and token ids ("" for none); then the extras: the recipe, the kept
+# count (carried by its first event), the end (final claim, answer or "", the answer's sequence,
+# the TTL in ms of the keys after it). Few arguments per event, because redis-py builds each one
+# in Python on the API process's event loop; keys are named here from the request id.
 # A group whose claim is no longer the writer's (another replica took the generation over)
 # writes nothing: the script returns the numbers of those groups, and their writer stops. A
 # claim that vanished (a store restarted without persistence) is written back: nobody else
@@ -155,12 +157,15 @@ KEPT = b"k"  # ids logged before this entry that a takeover kept
 BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
 APPEND_SCRIPT = f"""
 local max_events, running_ttl = ARGV[1], ARGV[2]
-local groups = tonumber(ARGV[3])
 local a = 4
 local lost = {{}}
-for g = 1, groups do
-  local stream, claim, recipe = KEYS[3 * g - 2], KEYS[3 * g - 1], KEYS[3 * g]
-  local held, events = ARGV[a], tonumber(ARGV[a + 2])
+for g = 1, tonumber(ARGV[3]) do
+  local id, held = ARGV[a], ARGV[a + 1]
+  local first, count, new, field, has_recipe, has_kept, has_end =
+    string.match(ARGV[a + 2], '(%d+) (%d+) (%d) (%a) (%d) (%d) (%d)')
+  first, count = tonumber(first), tonumber(count)
+  local stream, claim, recipe = '{PREFIX}events:' .. id, '{PREFIX}claim:' .. id, '{PREFIX}recipe:' .. id
+  local extras = a + 3 + 2 * count
   local mine = true
   if held ~= '' then
     local now = redis.call('GET', claim)
@@ -171,26 +176,36 @@ for g = 1, groups do
       lost[#lost + 1] = g
     end
   end
-  if mine and ARGV[a + 1] ~= '' then redis.call('SET', recipe, ARGV[a + 1], 'PX', running_ttl) end
-  a = a + 3
-  for i = 1, events do
-    if mine then
-      local fields = {{ARGV[a + 1], ARGV[a + 2]}}
-      if ARGV[a + 3] ~= '' then fields[#fields + 1] = '{TOKENS.decode()}'; fields[#fields + 1] = ARGV[a + 3] end
-      if ARGV[a + 4] ~= '' then fields[#fields + 1] = '{KEPT.decode()}'; fields[#fields + 1] = ARGV[a + 4] end
-      redis.call('XADD', stream, 'MAXLEN', '~', max_events, ARGV[a] .. '-0', unpack(fields))
-      if ARGV[a + 5] == '1' then redis.call('PEXPIRE', stream, running_ttl) end
+  local kept = ''
+  if has_recipe == '1' then
+    if mine then redis.call('SET', recipe, ARGV[extras], 'PX', running_ttl) end
+    extras = extras + 1
+  end
+  if has_kept == '1' then
+    kept = ARGV[extras]
+    extras = extras + 1
+  end
+  if mine then
+    for i = 0, count - 1 do
+      local fields = {{field, ARGV[a + 3 + 2 * i]}}
+      local ids = ARGV[a + 4 + 2 * i]
+      if ids ~= '' then fields[#fields + 1] = '{TOKENS.decode()}'; fields[#fields + 1] = ids end
+      if i == 0 and kept ~= '' then fields[#fields + 1] = '{KEPT.decode()}'; fields[#fields + 1] = kept end
+      redis.call('XADD', stream, 'MAXLEN', '~', max_events, (first + i) .. '-0', unpack(fields))
     end
-    a = a + 6
+    if new == '1' then redis.call('PEXPIRE', stream, running_ttl) end
   end
-  if mine and ARGV[a] ~= '' then
-    local body = ARGV[a + 1]
-    if body ~= '' then redis.call('XADD', stream, ARGV[a + 2] .. '-0', '{BODY.decode()}', body) end
-    redis.call('PEXPIRE', stream, ARGV[a + 3])
-    redis.call('PEXPIRE', recipe, ARGV[a + 3])
-    redis.call('SET', claim, ARGV[a], 'PX', ARGV[a + 3])
+  if has_end == '1' then
+    if mine then
+      local body = ARGV[extras + 1]
+      if body ~= '' then redis.call('XADD', stream, ARGV[extras + 2] .. '-0', '{BODY.decode()}', body) end
+      redis.call('PEXPIRE', stream, ARGV[extras + 3])
+      redis.call('PEXPIRE', recipe, ARGV[extras + 3])
+      redis.call('SET', claim, ARGV[extras], 'PX', ARGV[extras + 3])
+    end
+    extras = extras + 4
   end
-  a = a + 4
+  a = extras
 end
 return lost
 """
@@ -210,9 +225,8 @@ return 1
 
 @dataclass
 class AppendBatch:
-    """One flush's keys and arguments for APPEND_SCRIPT, and the commands it stands for."""
+    """One flush's arguments for APPEND_SCRIPT, and the commands it stands for."""
 
-    keys: list[str] = field(default_factory=list)
     args: list[bytes | str | int] = field(default_factory=list)
     commands: int = 0
     groups: list[str] = field(default_factory=list)  # the request id of each group, in order
@@ -365,7 +379,7 @@ class IdentityStore:
         (`python -m bench.store_writes`, results/cpu/store-writes.txt); at 256 streams an
         event carries one token."""
         async with self._trip("write", batch.commands):
-            lost = await self._run(APPEND_SCRIPT, batch.keys, batch.args)
+            lost = await self._run(APPEND_SCRIPT, [], batch.args)
         return [batch.groups[int(group) - 1] for group in lost]
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
