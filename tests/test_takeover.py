@@ -37,8 +37,9 @@ import pytest
 
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
-from shared.identity.store import PRODUCER_LOST_BOUND_S, claim_key, replica_key
+from shared.identity.store import PRODUCER_LOST_BOUND_S, IdentityStore, replica_key
 from shared.identity.takeover import read_log
+from shared.obs.metrics import Metrics
 from shared.service import Service
 from tests.conftest import LiveServers, free_port, wait_until
 from tests.redis_server import RedisServer
@@ -141,6 +142,10 @@ class Cluster:
     c: Service
     live: LiveServers
     references: dict[str, bytes] = field(default_factory=dict)
+
+    def store(self) -> IdentityStore:
+        """The shared store as the test reads it (on the test's own event loop; no heartbeat)."""
+        return IdentityStore(self.redis.url, "test-reader", Metrics())
 
     def a_alive(self) -> Replica:
         """A, started again if an earlier test ended it."""
@@ -279,7 +284,9 @@ async def test_sigterm_hands_twenty_attached_streams_over_and_none_ends_in_error
     params = {key: value for key, value in story().items() if key not in ("messages", "stream")}
     clients = [
         ResumableClient(
-            a.url, http=httpx.AsyncClient(transport=AtoB(a.url, b.url), timeout=120), backoff_s=0.05
+            a.url,
+            http=httpx.AsyncClient(transport=AtoB(a.url, b.url), base_url=a.url, timeout=120),
+            backoff_s=0.05,
         )
         for _ in range(20)
     ]
@@ -311,8 +318,10 @@ async def test_a_replica_back_from_a_pause_finds_its_claim_taken_and_stops(clust
         head = await on_a.events(3)
         os.kill(a.process.pid, signal.SIGSTOP)  # the API process freezes; its heartbeat lapses
         try:
-            store = cluster.c._identity.store  # type: ignore[attr-defined]
-            owner = orjson.loads(await store.client.get(claim_key("paused")))["owner"]
+            store = cluster.store()
+            held = await store.get("paused")
+            assert held is not None
+            owner = held.owner
             async with asyncio.timeout(PRODUCER_LOST_BOUND_S + 10):
                 while await store.client.exists(replica_key(owner)):
                     await asyncio.sleep(0.1)
@@ -416,8 +425,7 @@ async def test_a_stream_of_a_killed_replica_resumes_on_b_as_if_nothing_happened(
     assert b.metric("bundle_takeovers_total", 'outcome="continued"') - before == 1
     assert b.metric("bundle_takeover_seconds_count") >= 1 and b.metric("bundle_continued_tokens_total") > 0
     # The seam fell inside a character: A had sent KILL_AFTER outputs, its log held one id less.
-    store = cluster.c._identity.store  # type: ignore[attr-defined]
-    entries, recipe = await store.log("killed")
+    entries, recipe = await cluster.store().log("killed")
     first_of_b = next(seq for seq, fields in entries if b"k" in fields)
     assert len(read_log([e for e in entries if e[0] < first_of_b], recipe).ids) == KILL_AFTER - 1
 
@@ -453,9 +461,8 @@ async def test_of_two_replicas_resuming_at_once_exactly_one_continues(cluster: C
     assert len({answer.content for answer in answers}) == 1
     whole_and_numbered(answers[0].content)
     assert text_of(answers[0].content) == text_of(reference)
-    store = cluster.c._identity.store  # type: ignore[attr-defined]
-    claim = await store.get("race")
-    assert claim.epoch == 1 and claim.state == "completed"  # taken over once, by one replica
+    claim = await cluster.store().get("race")
+    assert claim is not None and (claim.epoch, claim.state) == (1, "completed")  # taken over once
 
 
 @pytest.mark.parametrize("request_id", ["structured", "n2"])
@@ -469,7 +476,7 @@ async def test_structured_output_and_n2_end_with_the_documented_error_never_wron
     error = orjson.loads(events[-2][1])["error"]
     assert error["code"] == "producer_lost" and "cannot be continued exactly" in error["message"]
     assert events[-1][1] == b"[DONE]" and ids_of(raw) == list(range(1, len(events) + 1))
-    logged = read_log(*(await cluster.c._identity.store.log(request_id)))  # type: ignore[attr-defined]
+    logged = read_log(*(await cluster.store().log(request_id)))
     assert logged.end == "failed" and len(logged.events) == len(events)  # nothing but A's, then the end
 
 
@@ -511,5 +518,5 @@ async def test_a_replica_killed_during_its_takeover_is_taken_over_in_turn(
     whole = head + tail
     whole_and_numbered(whole)
     assert text_of(whole) == text_of(reference) and usage_of(whole) == usage_of(reference)
-    claim = await cluster.c._identity.store.get("taken-twice")  # type: ignore[attr-defined]
-    assert claim.epoch == 2 and claim.state == "completed"
+    claim = await cluster.store().get("taken-twice")
+    assert claim is not None and (claim.epoch, claim.state) == (2, "completed")

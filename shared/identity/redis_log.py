@@ -185,6 +185,7 @@ class StreamWriter:
 
     def _report(self, groups: dict[str, _Group], lost: Sequence[str]) -> None:
         for request_id in lost:
+            self._new_streams.discard(request_id)
             guard = self._guards.pop(request_id, None)
             if guard is not None:
                 guard.lost()
@@ -464,7 +465,8 @@ class RemoteSubscription:
             if step.state is not None and step.state != RUNNING:
                 # Ended, and still nothing after `after`: the end was not stored (store outage).
                 raise EventsGone(f"events after {after} of this finished request are no longer held")
-            if step.owner_alive is False:
+            handed_on = step.claim is not None and step.claim.running and step.claim.owner != self._owner
+            if step.owner_alive is False or handed_on:  # gone, handed over, or taken over
                 self._owner = await self._successor()
                 continue
             if check and step.state is None:

@@ -43,6 +43,7 @@ from shared.identity.store import Claim, IdentityStore, StreamView
 from shared.identity.takeover import Logged, Recipe, read_log
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
+from shared.streaming import DONE_DATA
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,10 @@ class Replicas:
         if logged.end is not None:  # only the end was missing: write it, nothing to run
             self._metrics.takeovers.labels("finished").inc()
             ended = replace(new, state=logged.end)
-            self._fence(request_id, new).finish(request_id, ended, None)
+            writer = self._fence(request_id, new)
+            if not logged.closed:  # its error event went out, its [DONE] did not
+                writer.append(request_id, logged.last + 1, DONE_DATA)
+            writer.finish(request_id, ended, None)
             return ended
         return await self._continue(request_id, new, logged, lost_at)
 

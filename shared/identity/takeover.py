@@ -115,7 +115,8 @@ class Logged:
     ids: list[int] = field(default_factory=list)  # the token ids of that text
     finish_reason: str | None = None  # a chunk with it was sent: no token comes after it
     usage_sent: bool = False
-    end: str | None = None  # the log is whole: "completed", "failed" or "cancelled"
+    end: str | None = None  # the generation ended: "completed", "failed" or "cancelled"
+    closed: bool = False  # and its log is whole ([DONE], or a whole answer, is in it)
     gap: bool = False  # an entry is missing (trimmed, or dropped in a store outage)
 
 
@@ -134,6 +135,7 @@ def read_log(entries: list[tuple[int, dict[bytes, bytes]]], recipe: bytes | None
             _read_event(logged, fields[DATA])
         if BODY in fields:
             logged.end = "completed" if orjson.loads(fields[BODY])["status"] == 200 else "failed"
+            logged.closed = True
     return logged
 
 
@@ -141,6 +143,7 @@ def _read_event(logged: Logged, data: bytes) -> None:
     logged.events.append(data)
     if data == DONE_DATA:
         logged.end = logged.end or "completed"
+        logged.closed = True
         return
     chunk = orjson.loads(data)
     if "error" in chunk:
