@@ -319,9 +319,9 @@ async def test_a_replica_back_from_a_pause_finds_its_claim_taken_and_stops(clust
         os.kill(a.process.pid, signal.SIGSTOP)  # the API process freezes; its heartbeat lapses
         try:
             store = cluster.store()
-            held = await store.get("paused")
-            assert held is not None
-            owner = held.owner
+            claim = await store.get("paused")
+            assert claim is not None
+            owner = claim.owner
             async with asyncio.timeout(PRODUCER_LOST_BOUND_S + 10):
                 while await store.client.exists(replica_key(owner)):
                     await asyncio.sleep(0.1)
