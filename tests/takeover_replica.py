@@ -5,9 +5,14 @@ TAKEOVER_GATE naming the gate's file.
 
 The gate (a file, so a test can drive a replica in another process that it later kills):
 - absent, or `{"hold_after": null}`: outputs pass;
-- `{"hold_after": k}`: each generation passes its first k engine outputs and holds the next one
-  until the file says otherwise. Each generation that starts holding appends a line to the file
-  `<gate>.held`, so the test waits for "all held" instead of sleeping.
+- `{"hold_after": k}`: each generation passes engine outputs while they bring it to at most k
+  tokens, and holds the first that would take it past k until the file says otherwise. Each
+  generation that starts holding appends a line to the file `<gate>.held`, so the test waits for
+  "all held" instead of sleeping.
+
+Tokens, not outputs: when its reader falls behind (a loaded machine), vLLM merges a request's
+outputs into one, so the number of outputs depends on the machine's speed; a held generation has
+always sent at most k tokens, and never its end.
 
 The gate is this test's own minimal one (tests/gate.py, being built for the whole suite, was not
 there yet when this was written).
@@ -57,13 +62,13 @@ class FileGate:
             self._seen = (mtime, orjson.loads(self.path.read_bytes())["hold_after"])
         return self._seen[1]
 
-    async def pass_output(self, count: int) -> None:
-        """Return once the `count`-th output of a generation may go on."""
+    async def pass_output(self, count: int, request_id: str) -> None:
+        """Return once an output that brings its generation to `count` tokens may go on."""
         limit = self.hold_after()
         if limit is None or count <= limit:
             return
         with self.held_log.open("a") as log:
-            log.write("held\n")
+            log.write(f"held {request_id}\n")
         while (limit := self.hold_after()) is not None and count > limit:
             await asyncio.sleep(POLL_S)
 
@@ -79,10 +84,10 @@ class GatedEngine:
         return getattr(self._engine, name)  # everything but `generate` is the engine's own
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
-        count = 0
+        tokens = 0
         async for delta in self._engine.generate(request_id, request):
-            count += 1
-            await self._gate.pass_output(count)
+            tokens += delta.token_count
+            await self._gate.pass_output(tokens, request_id)
             yield delta
 
 
