@@ -17,9 +17,12 @@ from typing import Any
 import orjson
 import pytest
 
+from shared.engine.vllm import EngineDelta, SamplingRequest
+from shared.errors import EngineUnavailable
 from shared.identity.replicas import Replicas
 from shared.identity.store import Claim, replica_key
 from shared.protocol import ChatCompletionRequest, parse_request
+from shared.server_state import GuardedEngine, Lifecycle
 from shared.service import Service
 from shared.settings import Settings
 from tests.redis_server import RedisServer
@@ -204,5 +207,42 @@ async def test_what_cannot_be_continued_exactly_ends_with_producer_lost(
     claim = await identity(b).store.get(request_id)
     assert claim == Claim(claim.fingerprint, identity(b).replica_id, True, "failed", True, 1)  # type: ignore[union-attr]
     del head
+    await a.aclose()
+    await b.aclose()
+
+
+class StoppingEngine(ScriptedEngine):
+    """Stops after `stop_after` tokens the way vLLM's engine does when its core got the SIGTERM
+    sent to the whole process group: EngineUnavailable in the middle of the stream."""
+
+    def __init__(self, stop_after: int) -> None:
+        super().__init__(auto=True)
+        self.stop_after = stop_after
+
+    async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
+        produced = 0
+        async for delta in super().generate(request_id, request):
+            if produced == self.stop_after:
+                raise EngineUnavailable("the engine died during generation")
+            produced += 1
+            yield delta
+
+
+async def test_an_engine_stopped_by_the_groups_sigterm_hands_its_streams_over(
+    redis_server: RedisServer,
+) -> None:
+    lifecycle = Lifecycle(shutdown_grace_s=30)
+    a = Service(Settings(redis_url=redis_server.url), GuardedEngine(StoppingEngine(stop_after=5), lifecycle))
+    b = replica(redis_server, ScriptedEngine(auto=True))
+    lifecycle.state = Lifecycle.DRAINING  # the signal reached the server as well
+    head = await read((await a.open("chat", chat(), "group-sigterm", event_ids=True)).events())
+    assert b"[DONE]" not in head and b'"error"' not in head  # cut, not ended: it is handed over
+    await settle()  # the generation's task ends right after its stream: then its hand-over is queued
+    await identity(a).writer.drain()
+    claim = await identity(b).store.get("group-sigterm")
+    assert claim is not None and claim.owner == "" and claim.running
+    resumed = await b.open("chat", chat(), "group-sigterm", last_event_id=len(sse_events(head)), event_ids=True)
+    whole = head + await read(resumed.events())
+    assert content(whole) == " ".join(f"t{i}" for i in range(12)) + " "
     await a.aclose()
     await b.aclose()
