@@ -6,7 +6,9 @@ with its own X-Request-Id, a unique token-id prompt and `ignore_eos`, so every o
 exactly `--output-tokens`. Once every stream has at least `--kill-after` events (tokens), A's
 whole process group is SIGKILLed, and each client resumes on B with its Last-Event-ID, as
 `bundle_client` or a load balancer's retry would. Per stream: the time from the kill to its
-first continued token (the first event after its Last-Event-ID), whether its events ran 1, 2, 3...
+first continued token (the first event after the last one A had logged, read from the store
+right after the kill: events A logged that the client had not read yet come first, and are not
+new), whether its events ran 1, 2, 3...
 without a gap, and its completion token count (its usage, the whole generation's). The report
 also keeps B's own takeover metrics. Exit status 1 unless every stream completed right.
 
@@ -47,7 +49,8 @@ class Stream:
     usage: dict[str, int] | None = None
     done: bool = False
     error: str | None = None
-    first_continued_at: float | None = None  # monotonic time of the first event read from B
+    logged_by_a: int = 0  # the last event A had written to the store when it was killed
+    first_continued_at: float | None = None  # monotonic time of the first event B generated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             running_server(bundle_command(port_b), port_b, out / "b.log", {**env, "BUNDLE_PORT": str(port_b)}),
         ):
             urls = (f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}")
+            args.redis = redis_url
             report = asyncio.run(_run(args, prompts, urls, a))
             report["b_metrics"] = _metrics(urls[1])
     report["machine"] = args.machine
@@ -98,6 +102,7 @@ async def _run(
             at_kill = [len(stream.ids) for stream in streams]
             os.killpg(a_pid, signal.SIGKILL)  # the engine with it: a container that disappears
             killed_at = time.monotonic()
+            await _logged_by_a(args.redis, streams, args.seed)  # before B can take any over (>= 2 s)
             killed.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     return _report(args, streams, at_kill, killed_at)
@@ -120,7 +125,7 @@ async def _stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    headers = {"X-Request-Id": f"takeover-{args.seed}-{stream.index}", "Accept": "text/event-stream"}
+    headers = {"X-Request-Id": _request_id(args.seed, stream.index), "Accept": "text/event-stream"}
     with contextlib.suppress(httpx.HTTPError):  # A's connection is cut by the kill
         await _read(client, f"{urls[0]}/v1/completions", body, headers, stream, after_kill=False)
     if stream.done:
@@ -148,10 +153,28 @@ async def _read(
         async for line in response.aiter_lines():
             if line.startswith("id: "):
                 stream.ids.append(int(line[4:]))
-                if after_kill and stream.first_continued_at is None:
+                if after_kill and stream.first_continued_at is None and stream.ids[-1] > stream.logged_by_a:
                     stream.first_continued_at = time.monotonic()
             elif line.startswith("data: "):
                 _data(stream, line[6:])
+
+
+async def _logged_by_a(redis_url: str, streams: list[Stream], seed: int) -> None:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(redis_url)
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xrevrange(f"bundle:events:{_request_id(seed, stream.index)}", count=1)
+            for stream, last in zip(streams, await pipe.execute(), strict=True):
+                stream.logged_by_a = int(last[0][0].split(b"-")[0]) if last else 0
+    finally:
+        await client.aclose()
+
+
+def _request_id(seed: int, index: int) -> str:
+    return f"takeover-{seed}-{index}"
 
 
 def _data(stream: Stream, data: str) -> None:
@@ -182,7 +205,11 @@ def _report(
             "completed": sum(stream.done and stream.error is None for stream in streams),
             "errors": sorted({stream.error for stream in streams if stream.error}),
             "token_counts": sorted({(s.usage or {}).get("completion_tokens", -1) for s in streams}),
-            "events_at_kill": {"min": min(at_kill), "median": statistics.median(at_kill), "max": max(at_kill)},
+            "events_read_at_kill": {
+                "min": min(at_kill),
+                "median": statistics.median(at_kill),
+                "max": max(at_kill),
+            },
         },
         "kill_to_first_continued_s": {
             **percentiles(waits),
@@ -190,7 +217,13 @@ def _report(
             "count": len(waits),
         },
         "per_stream": [
-            {"events": len(s.ids), "usage": s.usage, "error": s.error, "events_at_kill": at_kill[s.index]}
+            {
+                "events": len(s.ids),
+                "usage": s.usage,
+                "error": s.error,
+                "events_read_at_kill": at_kill[s.index],
+                "events_logged_by_a": s.logged_by_a,
+            }
             for s in streams
         ],
     }
