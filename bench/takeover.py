@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(_run(args, prompts, urls, a))
             report["b_metrics"] = _metrics(urls[1])
     report["machine"] = args.machine
-    report["workload"] = vars(args)
+    report["workload"] = {key: value for key, value in vars(args).items() if key != "redis"}
     (out / "takeover.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(orjson.dumps({key: report[key] for key in ("streams", "kill_to_first_continued_s")}).decode())
     return 0 if report["streams"]["right"] == args.streams else 1
