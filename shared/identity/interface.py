@@ -15,7 +15,7 @@ the store (`RemoteSubscription`): the wrappers see only this protocol.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.errors import NotFound
@@ -24,8 +24,8 @@ from shared.streaming import Usage
 
 if TYPE_CHECKING:
     from shared.identity.registry import CancelOutcome, Entry
-    from shared.identity.replicas import Continuer
-    from shared.identity.takeover import Recipe
+    from shared.identity.store import Claim
+    from shared.identity.takeover import Logged, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class Subscription(Protocol):
 
 
 OpenHere = Callable[[], Subscription]
+# How a replica continues a generation it took over (the service's engine): the claim, now its
+# own; what the log holds; when the loss was found (time.monotonic()).
+Continuer = Callable[[str, "Claim", "Logged", float], Awaitable["Entry"]]
 
 
 class Identity(Protocol):

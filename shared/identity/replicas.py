@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -35,7 +35,7 @@ import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
 from shared.identity.generation import HANDOFF
-from shared.identity.interface import OpenHere, Subscription
+from shared.identity.interface import Continuer, OpenHere, Subscription
 from shared.identity.redis_log import RemoteSubscription, SharedLog, StreamWriter
 from shared.identity.registry import CancelOutcome, Entry, Registry, final_status
 from shared.identity.replay import ReplayBuffer
@@ -51,8 +51,6 @@ CANCEL_POLL_S = 0.05  # how often a cancel sent to another replica looks for the
 # How long leaving waits for the last events and ends to be written: a store that is down keeps
 # them queued (retried), and shutdown must not wait on it for ever.
 STORE_DRAIN_BOUND_S = 5.0
-# Continue a generation taken over: the claim now this replica's, its log, when the loss was found.
-Continuer = Callable[[str, Claim, Logged, float], Awaitable[Entry]]
 
 
 class Replicas:
