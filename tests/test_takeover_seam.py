@@ -51,7 +51,7 @@ def log(recipe: Recipe, text: str, ids: list[int]) -> list[tuple[int, dict[bytes
 
 
 def test_a_character_split_over_two_tokens_never_ends_the_prompt(tokenizer: Tokenizer) -> None:
-    """"ab é": "é" is two byte tokens here; vLLM sent "ab " and held the first byte's token back
+    """ "ab é": "é" is two byte tokens here; vLLM sent "ab " and held the first byte's token back
     until the second came. The prompt goes on after "ab " only: the taker generates é whole."""
     ids = tokenizer.encode("ab é cd").ids
     assert [tokenizer.decode([i]) for i in ids[3:5]] == ["\ufffd", "\ufffd"]  # é: two byte tokens
