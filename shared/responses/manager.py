@@ -89,13 +89,15 @@ class Responses:
         self._id_secret = api_key.get_secret_value().encode() if api_key is not None else b""
         self._keepers: set[asyncio.Task[None]] = set()
         self._kept: set[str] = set()  # ids of the responses kept on this replica now
-        self._adopter = asyncio.get_running_loop().create_task(self._adopt_orphans())
+        self._adopter: asyncio.Task[None] | None = None
+        if self.settings.redis_url is not None and self.settings.takeover:  # replicas to adopt from
+            self._adopter = asyncio.get_running_loop().create_task(self._adopt_orphans())
 
     async def aclose(self) -> None:
-        self._adopter.cancel()
-        for task in self._keepers:
+        tasks = [*self._keepers, *([self._adopter] if self._adopter else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(self._adopter, *self._keepers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
 
     # --- create ----------------------------------------------------------------------------------
