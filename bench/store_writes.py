@@ -3,7 +3,9 @@
 The shared identity store (shared/identity/store.py) appends every event of a flush with one script
 call. This compares that with the obvious alternative, one XADD per event in a pipeline, on the
 same local valkey-server and the same events, reporting the client's CPU per event (the cost
-that lands on the API process's one event loop) and the wall time per flush.
+that lands on the API process's one event loop) and the wall time per flush. The script's calls
+are built as the writer builds them with takeover on (BUNDLE_TAKEOVER, the default): each
+stream's writes fenced by its claim, each event carrying its token id.
 
     python -m bench.store_writes --streams 1,16,256
 """
@@ -17,7 +19,8 @@ import time
 from redis.asyncio import Redis
 
 from bench.redis_overhead import local_store
-from shared.identity.store import APPEND_SCRIPT
+from shared.identity.store import APPEND_SCRIPT, Claim, claim_key
+from shared.identity.tokens import pack_ids
 
 EVENT = b'{"id":"cmpl-0123456789abcdef","object":"text_completion","choices":[{"index":0,"text":" word"}]}'
 
@@ -29,11 +32,23 @@ async def by_pipeline(client: Redis, keys: list[str], sequence: int, sha: str) -
         await pipe.execute()
 
 
+CLAIM = Claim("fingerprint", "replica", True).encode()
+TOKEN = pack_ids([1234])
+
+
 async def by_script(client: Redis, keys: list[str], sequence: int, sha: str) -> None:
-    args: list[bytes | int] = [16384, 600_000, 60_000, len(keys)]
-    for _ in keys:
-        args += [sequence, EVENT, 0]
-    await client.evalsha(sha, len(keys), *keys, *args)
+    """APPEND_SCRIPT's layout (see shared/identity/store.py): per stream its id, its claim and
+    its header, then one event (data, token ids)."""
+    args: list[bytes | int | str] = [16384, 600_000, len(keys)]
+    for key in keys:
+        args += [key, CLAIM, f"{sequence} 1 0 d 0 0 0", EVENT, TOKEN]
+    await client.evalsha(sha, 0, *args)
+
+
+async def claimed(client: Redis, keys: list[str]) -> None:
+    """The claims the script's writes are fenced by, as a running generation's."""
+    for key in keys:
+        await client.set(claim_key(key), CLAIM)
 
 
 async def measure(url: str, streams: list[int], flushes: int) -> None:
@@ -41,8 +56,9 @@ async def measure(url: str, streams: list[int], flushes: int) -> None:
     sha = await client.script_load(APPEND_SCRIPT)  # as the store calls it: by hash
     try:
         for count in streams:
-            keys = [f"bench:events:{count}:{i}" for i in range(count)]
+            keys = [f"bench-{count}-{i}" for i in range(count)]
             for name, write in (("pipeline", by_pipeline), ("script", by_script)):
+                await claimed(client, keys)
                 cpu, wall = time.process_time(), time.perf_counter()
                 for sequence in range(1, flushes + 1):
                     await write(client, keys, sequence, sha)

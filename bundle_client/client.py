@@ -8,6 +8,9 @@ It speaks three event-stream dialects, so one client consumes every way this bun
   dropped stream is resumed with the same `X-Request-Id` and `Last-Event-ID`, and each delta
   is yielded exactly once. Servers without ids cannot be resumed; the client
   then says so with `ResumeUnsupported` instead of silently restarting the generation.
+  A stream that ends without `[DONE]` is resumed the same way: that is how this bundle's replicas
+  hand a stream over when they shut down, and the replica the resume reaches continues it (as it
+  does when the first one died: docs/replicas.md, takeover).
 - Cog's local server (coglet): events `start`, `output {"chunk", "index"}`, `log`, `completed`.
 - Replicate's hosted stream: events `output` (plain text), `error`, `done`.
 """

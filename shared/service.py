@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 
@@ -24,7 +25,7 @@ from shared.engine.lora import Adapters
 from shared.engine.stats_file import publish_engine_stats
 from shared.engine.structured import OutputConstraint, response_constraint
 from shared.engine.tools import check_tool_schemas, forced_constraint, shaper_for
-from shared.engine.vllm import Engine, SamplingRequest
+from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
 from shared.errors import (
     BundleError,
     Cancelled,
@@ -32,11 +33,14 @@ from shared.errors import (
     GenerationFailed,
     InvalidRequest,
     NotFound,
+    ProducerLost,
 )
+from shared.identity import takeover
 from shared.identity.generation import GenerationOutput, produce
 from shared.identity.interface import Identity, LocalIdentity, Subscription
 from shared.identity.registry import CancelOutcome, Entry, Registry
 from shared.identity.replay import ReplayBuffer
+from shared.identity.store import Claim
 from shared.obs.gc_pauses import gc_pauses_observed
 from shared.obs.loop_lag import watch_loop_lag
 from shared.obs.metrics import Metrics
@@ -57,6 +61,8 @@ CANCEL_WAIT_S = 5.0  # how long a cancel call waits for the generation to stop b
 # longer ones in the tokenizer thread, so one huge prompt never stalls the other streams.
 INLINE_TOKENIZE_MAX_CHARS = 4096
 MAX_CHARS_PER_TOKEN = 32  # ordinary text averages ~4 characters per token
+LOST_AND_NOT_CONTINUED = "the replica running this generation stopped, and it cannot be continued"
+NEW_ID = "start again with a new X-Request-Id"
 
 
 class Service:
@@ -76,6 +82,7 @@ class Service:
         self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
         self.metrics.watch_held(lambda: self.registry.stats()["held_requests"])
         self._identity: Identity = identity_for(settings, self.registry, self.metrics)
+        self._identity.continue_with(self.continue_generation)
         self._stats_task: asyncio.Task[None] | None = None
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
         if settings.engine_stats_file is not None:
@@ -85,11 +92,15 @@ class Service:
             self._stats_task = asyncio.get_running_loop().create_task(publisher)
 
     async def end_running(self) -> None:
-        """Abort every running generation now (reason "shutdown"); readers get their error event."""
+        """The drain's deadline: hand what another replica can continue over to one (with a
+        shared store and takeover: its readers resume there), abort the rest now (reason
+        "shutdown"; their readers get an error event)."""
+        await self._identity.hand_off()
         await self.registry.shutdown()
 
     async def aclose(self) -> None:
-        """Abort what is still running and stop background work."""
+        """Hand over or abort what is still running, and stop background work."""
+        await self._identity.hand_off()
         await self.registry.shutdown()
         await self._identity.aclose()
         if self._stats_task is not None:
@@ -180,6 +191,15 @@ class Service:
     def _under_stream_load(self) -> bool:
         batch_at = self.settings.stream_batch_at
         return batch_at is not None and self.registry.running >= batch_at
+
+    def runs_here(self, request_id: str) -> bool:
+        """Whether this replica runs the generation of `request_id` now."""
+        return self.registry.runs(request_id)
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        """Those ids whose generation runs with nobody left to run it: opening one takes it over
+        (with a shared store and takeover; none otherwise)."""
+        return await self._identity.orphans(request_ids)
 
     def healthy(self) -> bool:
         """The engine is alive (false once it died: the process should be replaced)."""
@@ -298,7 +318,7 @@ class Service:
         )
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
-            await self._prepare_and_produce(out, body, completion_id, abort_reason, prepared)
+            await self._prepare_and_produce(entry, kind, body, abort_reason, prepared)
 
         if prepared is not None:
             output.accept(prompt_tokens=len(prepared[0]))
@@ -312,13 +332,16 @@ class Service:
 
     async def _prepare_and_produce(
         self,
-        output: GenerationOutput,
+        entry: Entry,
+        kind: Kind,
         body: OpenAIRequest,
-        completion_id: str,
         abort_reason: Callable[[], str],
         prepared: tuple[list[int], SamplingRequest] | None,
     ) -> None:
+        output = entry.output
+        completion_id = output.encoder.completion_id
         if prepared is not None:
+            self._record(entry, kind, body, prepared[1])
             await self._produce(output, prepared[1], completion_id, abort_reason)
             return
         try:
@@ -335,7 +358,29 @@ class Service:
             output.reject(GenerationFailed(f"rendering the prompt failed: {type(exc).__name__}"))
             return
         output.accept(prompt_tokens=len(prompt_ids))
+        self._record(entry, kind, body, sampling)
         await self._produce(output, sampling, completion_id, abort_reason)
+
+    def _record(self, entry: Entry, kind: Kind, body: OpenAIRequest, sampling: SamplingRequest) -> None:
+        """Before the engine sees it: what another replica needs to take it over."""
+        if entry.request_id is None:
+            return
+        output = entry.output
+
+        def recipe() -> takeover.Recipe:
+            return takeover.Recipe(
+                kind=kind,
+                completion_id=output.encoder.completion_id,
+                created=output.encoder.created,
+                model=body.model,
+                stream=output.stream,
+                include_usage=output.include_usage,
+                prompt=list(sampling.prompt_token_ids),
+                sampling=takeover.sampling_of(sampling),
+                refusal=takeover.refusal_of(sampling, shaped=output.choices is not None),
+            )
+
+        self._identity.record(entry, recipe)
 
     async def _produce(
         self,
@@ -347,18 +392,115 @@ class Service:
         try:
             await produce(
                 output,
-                self.engine,
-                sampling,
+                self.engine.generate(completion_id, sampling),
                 self.metrics,
                 self.settings.request_timeout_s,
-                engine_request_id=completion_id,
-                abort_reason=abort_reason,
+                abort_reason,
             )
         finally:  # per model, counted once per generation: nothing on the per-token path
             adapter = sampling.adapter
             if adapter is None or self.adapters.holds(adapter):  # an unloaded one's series are gone
                 model = adapter.name if adapter else self.settings.model_name
                 self.metrics.count_model(model, output.usage.prompt_tokens, output.usage.completion_tokens)
+
+    # --- takeover: continue a generation another replica started ---------------------------------
+    async def continue_generation(
+        self, request_id: str, claim: Claim, logged: takeover.Logged, lost_at: float
+    ) -> Entry:
+        """Run here, under `claim` (this replica's now), the rest of a generation whose producer
+        was lost: its log's events first (held for resumes), then what the engine adds after the
+        token ids already sent (shared/identity/takeover.py). One that cannot be continued
+        exactly ends with `producer_lost` instead. Raises Overloaded (429) at the in-flight cap."""
+        recipe = logged.recipe
+        steps = None
+        if recipe is not None and logged.finish_reason is None:
+            steps = await self._decode_steps(recipe, logged.ids)
+        plan = takeover.plan(logged, steps)
+        output = _continued_output(recipe, logged, plan, claim, self.settings.max_events_per_request)
+        entry = Entry(request_id=request_id, fingerprint=claim.fingerprint, output=output)
+
+        async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
+            await self._go_on(request_id, out, logged, plan, lost_at, abort_reason)
+
+        self._identity.mirror(entry, kept=None if plan.refusal else plan.kept)
+        self.registry.start(entry, producer)
+        self._identity.own(entry)
+        outcome = "ended" if plan.refusal else "continued"
+        self.metrics.takeovers.labels(outcome).inc()
+        log.info("took over %s (%s): %s", request_id, outcome, plan.refusal or f"{plan.kept} tokens kept")
+        return entry
+
+    async def _decode_steps(self, recipe: takeover.Recipe, ids: list[int]) -> Sequence[str | None] | None:
+        decode = getattr(self.engine, "decode_steps", None)  # vLLM's engine only
+        if decode is None:
+            return None
+        skip_special = bool(recipe.sampling["skip_special_tokens"])
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, decode, recipe.prompt, ids, skip_special)  # type: ignore[no-any-return]
+
+    async def _go_on(
+        self,
+        request_id: str,
+        output: GenerationOutput,
+        logged: takeover.Logged,
+        plan: takeover.Plan,
+        lost_at: float,
+        abort_reason: Callable[[], str],
+    ) -> None:
+        """The producer of a continuation: nothing left but its end, or the engine's rest."""
+        if plan.refusal is not None:
+            output.finish(ProducerLost(f"{LOST_AND_NOT_CONTINUED} exactly ({plan.refusal}); {NEW_ID}"))
+            return
+        if logged.finish_reason is not None or plan.remaining <= 0:
+            if logged.finish_reason is None:  # every token was out, only the finish was not
+                output.on_delta(EngineDelta(text="", token_count=0, finish_reason="length"))
+            output.finish()
+            return
+        assert logged.recipe is not None
+        try:
+            sampling = self._continuation(request_id, logged, plan)
+        except BundleError as exc:  # its adapter is not loaded here
+            output.finish(ProducerLost(f"{LOST_AND_NOT_CONTINUED} here ({exc.message}); {NEW_ID}"))
+            return
+        deltas = takeover.after_sent(self.engine.generate(logged.recipe.completion_id, sampling), plan.resent)
+        timeout = self.settings.request_timeout_s
+        await produce(output, self._timed(deltas, lost_at), self.metrics, timeout, abort_reason, opening=False)
+
+    def _continuation(self, request_id: str, logged: takeover.Logged, plan: takeover.Plan) -> SamplingRequest:
+        recipe = logged.recipe
+        assert recipe is not None
+        given = recipe.sampling
+        return SamplingRequest(
+            prompt_token_ids=recipe.prompt + logged.ids[: plan.kept],
+            max_tokens=plan.remaining,
+            temperature=given["temperature"],
+            top_p=given["top_p"],
+            top_k=given["top_k"],
+            seed=takeover.continuation_seed(recipe, request_id, plan.kept),
+            stop=tuple(given["stop"]),
+            presence_penalty=given["presence_penalty"],
+            frequency_penalty=given["frequency_penalty"],
+            ignore_eos=given["ignore_eos"],
+            min_p=given["min_p"],
+            repetition_penalty=given["repetition_penalty"],
+            min_tokens=max(0, given["min_tokens"] - plan.kept),
+            stop_token_ids=tuple(given["stop_token_ids"]),
+            skip_special_tokens=given["skip_special_tokens"],
+            include_stop_str_in_output=given["include_stop_str_in_output"],
+            logit_bias={int(token): float(bias) for token, bias in given["logit_bias"]},
+            stream_interval=self._paced_interval(),
+            adapter=self.adapters.resolve(recipe.model),
+        )
+
+    async def _timed(self, deltas: AsyncIterator[EngineDelta], lost_at: float) -> AsyncIterator[EngineDelta]:
+        """The deltas, counted as continued tokens; the first one times the takeover."""
+        first = True
+        async for delta in deltas:
+            if first:
+                self.metrics.takeover_seconds.observe(time.monotonic() - lost_at)
+                first = False
+            self.metrics.continued_tokens.inc(delta.token_count)
+            yield delta
 
     async def _render_in_thread(self, body: OpenAIRequest) -> list[int]:
         """Tokenize (or apply the chat template) a long prompt without stalling other streams:
@@ -468,6 +610,33 @@ class Service:
         return Choices(
             kind, body.n, with_logprobs=with_logprobs, shaper_factory=lambda: shaper_for(body, engine)
         )
+
+
+def _continued_output(
+    recipe: takeover.Recipe | None, logged: takeover.Logged, plan: takeover.Plan, claim: Claim, max_events: int
+) -> GenerationOutput:
+    """The output of a generation taken over: its chunks look like the first replica's (same id,
+    creation time and model), its events so far are held for resumes, its text and usage go on
+    from what was sent (usage counts the whole generation once)."""
+    events = ReplayBuffer(max_events, numbered=claim.numbered)
+    events.preload(logged.events)
+    if recipe is None:  # nothing to continue with: it only ends (its error needs no encoder)
+        output = GenerationOutput(
+            encoder=ChunkEncoder("chat", "", ""), events=events, stream=claim.stream, include_usage=False
+        )
+        output.resume(0, logged.text, 0)
+        return output
+    encoder = ChunkEncoder(recipe.kind, recipe.completion_id, recipe.model, created=recipe.created)  # type: ignore[arg-type]
+    output = GenerationOutput(
+        encoder=encoder,
+        events=events,
+        stream=claim.stream,
+        include_usage=recipe.include_usage and not logged.usage_sent,
+    )
+    kept = len(logged.ids) if logged.finish_reason is not None else plan.kept
+    output.resume(len(recipe.prompt), logged.text, kept)
+    output.finish_reason = logged.finish_reason
+    return output
 
 
 def _constraint(body: OpenAIRequest, engine: Engine) -> OutputConstraint | None:

@@ -350,7 +350,15 @@ class Identity(Section):
         le=1000,
         description="Milliseconds. The events of shared streams are written to the store together, "
         "at most once per this window: fewer round trips per token, and followers on other "
-        "replicas see events up to this much later (0: one write per event-loop turn).",
+        "replicas see events up to this much later (0: one write per event-loop turn). Used "
+        "only with BUNDLE_TAKEOVER=false: with takeover, events are written at once.",
+    )
+    takeover: bool = Field(
+        True,
+        description="With BUNDLE_REDIS_URL: when a replica running a generation is lost (or shuts "
+        "down), another continues it from its log under the same event ids (docs/replicas.md). "
+        "Events reach clients only once the store holds them. Off: such streams end with "
+        "producer_lost.",
     )
 
     @field_validator("redis_url", mode="before")

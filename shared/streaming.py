@@ -59,11 +59,12 @@ def error_frames(error: BundleError) -> bytes:
 class ChunkEncoder:
     """Encodes one generation's chunks in OpenAI's streaming format (chat or legacy completion)."""
 
-    def __init__(self, kind: Kind, completion_id: str, model: str) -> None:
+    def __init__(self, kind: Kind, completion_id: str, model: str, created: int | None = None) -> None:
         self.kind = kind
         self.completion_id = completion_id
         self.model = model
-        self.created = int(time.time())
+        # Given: a generation continued on another replica (a takeover) keeps its first chunks' time.
+        self.created = int(time.time()) if created is None else created
         head = b'{"id":%s,"object":%s,"created":%d,"model":%s,' % (
             orjson.dumps(completion_id),
             b'"chat.completion.chunk"' if kind == "chat" else b'"text_completion"',

@@ -39,12 +39,15 @@ from tests.test_identity import CuttingTransport, read_events, sampled_chat, tex
 # Generous: on a shared 2-core machine two engines starting side by side took minutes.
 pytestmark = pytest.mark.timeout(600)
 
-# A small engine per replica: both start at once, and two share this machine's cores.
+# A small engine per replica: both start at once, and two share this machine's cores. Takeover
+# off: this module pins what the store does without it (a dead owner is `producer_lost`); with
+# it, tests/test_takeover.py.
 REPLICA_ENV = {
     "BUNDLE_MAX_NUM_SEQS": "32",
     "BUNDLE_MAX_MODEL_LEN": "1024",
     "BUNDLE_ENFORCE_EAGER": "true",
     "BUNDLE_LOG_LEVEL": "warning",
+    "BUNDLE_TAKEOVER": "false",
 }
 LONG = 900  # tokens: a generation that is held mid-way (tests/gate.py) while a test acts on it
 # Engine deltas let through before the hold: enough for the few events a test reads first (a

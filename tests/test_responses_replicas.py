@@ -1,8 +1,9 @@
 """Responses across two replicas sharing a real Redis-protocol server: a response created on A is
 streamed again and cancelled from B, and when A dies B reports the response `failed` instead of
-waiting for ever. A is a `python -m tests.gated_serve` process (the real server, its engine behind
-the test gate, so it can be killed like a crashed container while its generation is held
-mid-way); B is an app on the test session's engine."""
+waiting for ever (takeover off here; with it, tests/test_takeover.py: the response completes).
+A is a `python -m tests.gated_serve` process (the real server, its engine behind the test gate, so
+it can be killed like a crashed container while its generation is held mid-way); B is an app on
+the test session's engine."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def pair(
     a = _start(redis_server.url, tmp_path_factory.mktemp("responses-replicas") / "replica-a.log")
     try:
         wait_healthy(a.url, a.process, 540, interval_s=0.3)
-        b_url, _ = live.serve(redis_url=redis_server.url)
+        b_url, _ = live.serve(redis_url=redis_server.url, takeover=False)  # with it: tests/test_takeover.py
         yield a, b_url
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -299,10 +299,12 @@ async def test_store_outage_refuses_ids_serves_anonymous_and_recovers(redis_serv
     await a.aclose()
 
 
-async def test_a_request_for_an_id_whose_owner_died_is_refused(redis_server: RedisServer) -> None:
-    b = replica(redis_server, ScriptedEngine())
+async def test_without_takeover_a_request_for_an_id_whose_owner_died_is_refused(
+    redis_server: RedisServer,
+) -> None:
+    b = replica(redis_server, ScriptedEngine(), takeover=False)
     store = IdentityStore(redis_server.url, "x", Metrics())
-    fingerprint_owner = replica(redis_server, ScriptedEngine())
+    fingerprint_owner = replica(redis_server, ScriptedEngine(), takeover=False)
     owner = await fingerprint_owner.open("chat", chat(), "owner-dies")
     # The owner's process "dies": its heartbeat stops and lapses (deleted here to skip the wait).
     replicas = fingerprint_owner._identity  # the store-backed identity BUNDLE_REDIS_URL chose

@@ -212,6 +212,22 @@ class VLLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt))
 
+    def decode_steps(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special_tokens: bool
+    ) -> list[str | None] | None:
+        """The text each output id adds after the prompt, None while it ends inside a character:
+        what vLLM's incremental detokenizer streamed for them (a fast tokenizer's DecodeStream,
+        primed with the prompt, as vLLM's is). None for a slow tokenizer. A takeover uses it to
+        find where the text already sent ends among the ids (shared/identity/takeover.py)."""
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+
+        fast = getattr(self._tokenizer, "_tokenizer", None)
+        if not isinstance(fast, Tokenizer):
+            return None
+        stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        return [stream.step(fast, token_id) for token_id in output_ids]
+
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> list[int]:

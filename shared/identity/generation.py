@@ -11,17 +11,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
 
 from shared.engine.choices import Choices
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
-from shared.errors import BundleError, GenerationFailed, abort_error
+from shared.engine.vllm import EngineDelta
+from shared.errors import BundleError, GenerationFailed, ShuttingDown, abort_error
 from shared.identity.replay import EventLog, Notifier
 from shared.obs.metrics import Metrics
 from shared.streaming import DONE_DATA, ChunkEncoder, Usage, error_data
 
 log = logging.getLogger(__name__)
+
+# The abort reason of a generation handed over at shutdown: it goes on on another replica.
+HANDOFF = "handoff"
+HANDED_OFF = (
+    "this server is shutting down and handed the generation over to another replica: send the "
+    "request again with the same X-Request-Id (and Last-Event-ID) to read the rest"
+)
+
+
+class TokenRecorder(Protocol):
+    """Where the token ids behind the text go, for a takeover (the shared log: `SharedLog`)."""
+
+    def tokens(self, ids: Sequence[int]) -> None: ...
+
+    def text(self, piece: str) -> None:
+        """A text piece of a generation that does not stream (it has no events to carry it)."""
+        ...
 
 
 class GenerationOutput:
@@ -47,12 +64,35 @@ class GenerationOutput:
         self.done = False
         self.finished_at: float | None = None
         self.accepted = False  # the prompt was rendered and passed the checks; it may reach the engine
+        # Set by a shared store with takeover on, for generations on the plain path (the only
+        # ones a takeover continues): their token ids go to the log beside their text.
+        self.recorder: TokenRecorder | None = None
+        self.handed_off = False
         self._text_changed = Notifier()  # waited on only by text and admission readers
 
     # --- writing (the producer task only) ----------------------------------------------------
     def accept(self, prompt_tokens: int) -> None:
         self.usage.prompt_tokens = prompt_tokens
         self.accepted = True
+        self._text_changed.notify()
+
+    def resume(self, prompt_tokens: int, text: str, completion_tokens: int) -> None:
+        """A generation taken over from another replica: accepted there, `text` already sent."""
+        self.accept(prompt_tokens)
+        self.usage.completion_tokens = completion_tokens
+        if text:
+            self.text_parts.append(text)
+
+    def hand_off(self) -> None:
+        """End here without a word in the log: another replica continues it (its readers here
+        see their stream end without [DONE], and resume)."""
+        if self.done:
+            return
+        self.handed_off = True
+        self.error = ShuttingDown(HANDED_OFF)
+        self.done = True
+        self.finished_at = time.monotonic()
+        self.events.close()
         self._text_changed.notify()
 
     def reject(self, error: BundleError) -> None:
@@ -86,6 +126,10 @@ class GenerationOutput:
         text, finish_reason = delta.text, delta.finish_reason
         if finish_reason is not None:
             self.finish_reason = finish_reason
+        if self.recorder is not None:  # before the event below, which takes the ids along
+            self.recorder.tokens(delta.token_ids)
+            if text and not self.stream:
+                self.recorder.text(text)
         if text:
             self.text_parts.append(text)
             self._text_changed.notify()
@@ -158,25 +202,28 @@ class GenerationOutput:
 
 async def produce(
     output: GenerationOutput,
-    engine: Engine,
-    request: SamplingRequest,
+    deltas: AsyncIterator[EngineDelta],
     metrics: Metrics,
     timeout_s: float,
-    engine_request_id: str,
     abort_reason: Callable[[], str],
+    *,
+    opening: bool = True,
 ) -> None:
-    """The one task that drives a generation. Cancelling it aborts the engine request;
-    `abort_reason()` says why (the registry knows: disconnect, grace expiry, cancel...)."""
+    """The one task that drives a generation: it reads the engine's `deltas` into `output`.
+    Cancelling it aborts the engine request; `abort_reason()` says why (the registry knows:
+    disconnect, grace expiry, cancel...). `opening`: send the stream's first events (a takeover
+    does not: they were sent by the replica it continues)."""
     metrics.engine_generations.inc()
     metrics.prompt_tokens.inc(output.usage.prompt_tokens)
     metrics.running_generations.inc()
     metrics.queued_requests.inc()
     waiting_for_first = True
     started = last = time.perf_counter()
-    output.open()
+    if opening:
+        output.open()
     try:
         async with asyncio.timeout(timeout_s):
-            async for delta in engine.generate(engine_request_id, request):
+            async for delta in deltas:
                 now = time.perf_counter()
                 if waiting_for_first:
                     metrics.time_to_first_token.observe(now - started)
@@ -193,10 +240,20 @@ async def produce(
         # vLLM's generator has already aborted the engine request on its way out.
         reason = abort_reason()
         metrics.aborted_requests.labels(reason).inc()
-        output.finish(abort_error(reason))
+        if reason == HANDOFF:
+            output.hand_off()
+        else:
+            output.finish(abort_error(reason))
     except TimeoutError:
         metrics.aborted_requests.labels("timeout").inc()
         output.finish(GenerationFailed(f"generation exceeded {timeout_s:g} s"))
+    except ShuttingDown as exc:
+        # The engine stopped with the server (a SIGTERM to the whole process group): what another
+        # replica can continue is handed over at once instead of ended.
+        if output.recorder is not None:
+            output.hand_off()
+        else:
+            output.finish(exc)
     except BundleError as exc:
         output.finish(exc)
     except Exception as exc:  # never leave readers hanging on an unexpected failure

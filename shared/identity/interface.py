@@ -15,7 +15,7 @@ the store (`RemoteSubscription`): the wrappers see only this protocol.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.errors import NotFound
@@ -24,6 +24,8 @@ from shared.streaming import Usage
 
 if TYPE_CHECKING:
     from shared.identity.registry import CancelOutcome, Entry
+    from shared.identity.store import Claim
+    from shared.identity.takeover import Logged, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class Subscription(Protocol):
 
 
 OpenHere = Callable[[], Subscription]
+# How a replica continues a generation it took over (the service's engine): the claim, now its
+# own; what the log holds; when the loss was found (time.monotonic()).
+Continuer = Callable[[str, "Claim", "Logged", float], Awaitable["Entry"]]
 
 
 class Identity(Protocol):
@@ -92,12 +97,30 @@ class Identity(Protocol):
         resume, or start) when it is (or becomes) this replica's."""
         ...
 
-    def mirror(self, entry: Entry) -> None:
-        """Before a generation with an id starts here: put what others must read behind it."""
+    def mirror(self, entry: Entry, kept: int | None = None) -> None:
+        """Before a generation with an id starts here: put what others must read behind it.
+        `kept`: a takeover's, the count of token ids logged before it that it continues from."""
+        ...
+
+    def record(self, entry: Entry, recipe: Callable[[], Recipe]) -> None:
+        """Once its prompt is rendered: what another replica needs to take it over (built only
+        where a takeover can happen)."""
         ...
 
     def own(self, entry: Entry) -> None:
         """Once it started: record its end where others can read it."""
+        ...
+
+    def continue_with(self, continuer: Continuer) -> None:
+        """How this replica continues a generation it takes over (the service's engine)."""
+        ...
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        """Those ids whose generation runs with nobody left to run it (a takeover would go on)."""
+        ...
+
+    async def hand_off(self) -> None:
+        """Shutting down: hand what runs here over to other replicas, where they can continue it."""
         ...
 
     async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:
@@ -122,10 +145,22 @@ class LocalIdentity:
     ) -> Subscription:
         return here()  # no await before it: a lookup and a start cannot be split by another request
 
-    def mirror(self, entry: Entry) -> None:
+    def mirror(self, entry: Entry, kept: int | None = None) -> None:
         pass  # nobody elsewhere reads it
 
+    def record(self, entry: Entry, recipe: Callable[[], Recipe]) -> None:
+        pass  # nobody elsewhere could take it over
+
     def own(self, entry: Entry) -> None:
+        pass
+
+    def continue_with(self, continuer: Continuer) -> None:
+        pass
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        return []  # this process is the only one: what it runs dies with it
+
+    async def hand_off(self) -> None:
         pass
 
     async def cancel(self, request_id: str, wait_s: float) -> CancelOutcome:

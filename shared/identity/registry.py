@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded, abort_error
-from shared.identity.generation import GenerationOutput
+from shared.identity.generation import HANDOFF, GenerationOutput
 from shared.identity.replay import EventsPerWrite, WriteNow
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
@@ -180,7 +180,9 @@ class Registry:
             return
         self._metrics.aborted_requests.labels(entry.abort_reason).inc()
         error = abort_error(entry.abort_reason)
-        if entry.output.accepted:
+        if entry.abort_reason == HANDOFF:
+            entry.output.hand_off()
+        elif entry.output.accepted:
             entry.output.finish(error)
         else:
             entry.output.reject(error)
@@ -197,6 +199,21 @@ class Registry:
         entry.subscribers += 1
         self._cancel_grace(entry)
         return LocalSubscription(self, entry, after, self._metrics)
+
+    def unattended(self, entry: Entry) -> None:
+        """A generation started with no reader here (a takeover for readers on other replicas):
+        its grace window runs now, as if its last reader had just left."""
+        if not entry.subscribers and not entry.output.done and entry.request_id is not None:
+            self._arm_grace(entry, self._settings.disconnect_grace_s)
+
+    def runs(self, request_id: str) -> bool:
+        """Whether this replica runs the generation `request_id` names right now."""
+        entry = self._held.get(request_id)
+        return entry is not None and entry in self._running
+
+    def running_with_id(self) -> list[Entry]:
+        """Running generations a client can name (and come back to)."""
+        return [entry for entry in self._running if entry.request_id is not None]
 
     def detach(self, entry: Entry) -> None:
         entry.subscribers -= 1

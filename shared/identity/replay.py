@@ -111,6 +111,12 @@ class ReplayBuffer:
         self._sink: _Sink | None = None  # the one reader `append` writes to directly, if any
 
     # --- the writer -----------------------------------------------------------------------------
+    def preload(self, datas: list[bytes]) -> None:
+        """Events sent before this buffer existed (by the replica a takeover continues), from 1:
+        held for resumes, before any reader."""
+        for data in datas:
+            self.append(data)
+
     def append(self, data: bytes) -> None:
         event = sse_event(self.next_sequence, data) if self.numbered else sse_data(data)
         self.events.append(event)

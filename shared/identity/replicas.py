@@ -1,5 +1,6 @@
 """Request identity across replicas (BUNDLE_REDIS_URL): one generation per X-Request-Id on whichever
-replica claims it first, followed from any other, cancelled from any.
+replica claims it first, followed from any other, cancelled from any, and taken over by another
+replica when the one running it is lost.
 
 `Service.open` calls `open` here for requests that carry an id (this is the shared-store
 `shared.identity.interface.Identity`). The order of questions:
@@ -8,9 +9,15 @@ replica claims it first, followed from any other, cancelled from any.
    always did, and mirror its events into the store (`own`). Lost: follow the owner's stream.
 A resume never claims: a fresh generation under the old event ids would splice two texts.
 
-A new request for an id whose owner died gets 410 `producer_lost` until the claim expires
-(`request_timeout_s + retention_s` after the claim): the old stream cannot be continued, and
-running the body again would break "one generation per id".
+Takeover (BUNDLE_TAKEOVER, on by default): when the owner of a running generation is gone (its
+heartbeat, renewed every second, lapsed: the lease) or handed it over at shutdown, the replica
+that a reader reaches swaps the claim to itself (TAKE_SCRIPT: of several that try, one wins) and
+continues the generation from its log on its own engine (`Service.continue_generation`), under
+the next event ids. Every write of the log is fenced by the writer's claim, so a replica that
+comes back from a pause to find its claim taken writes nothing more and stops.
+
+Without takeover, a request for an id whose owner died gets 410 `producer_lost` until the claim
+expires (`request_timeout_s + retention_s` after the claim).
 """
 
 from __future__ import annotations
@@ -20,19 +27,23 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
 import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
-from shared.identity.interface import OpenHere, Subscription
+from shared.identity.generation import HANDOFF
+from shared.identity.interface import Continuer, OpenHere, Subscription
 from shared.identity.redis_log import RemoteSubscription, SharedLog, StreamWriter
 from shared.identity.registry import CancelOutcome, Entry, Registry, final_status
 from shared.identity.replay import ReplayBuffer
 from shared.identity.store import Claim, IdentityStore, StreamView
+from shared.identity.takeover import Logged, Recipe, read_log
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
+from shared.streaming import DONE_DATA
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +62,30 @@ class Replicas:
         self._registry = registry
         self._metrics = metrics
         self._claim_ttl_s = settings.request_timeout_s + settings.retention_s
+        self.takeover = settings.takeover
         self.store = IdentityStore(url, self.replica_id, metrics)
         self.writer = StreamWriter(
             self.store,
             settings.max_events_per_request,
             settings.retention_s,
             self._claim_ttl_s,
-            window_s=settings.redis_write_window_ms / 1000,
+            # With takeover, readers here get an event only once the store has it: a write
+            # window would delay every token by that much, so none (one loop turn) is used.
+            window_s=0.0 if self.takeover else settings.redis_write_window_ms / 1000,
         )
-        self._claiming: dict[str, asyncio.Future[None]] = {}
+        self.continuer: Continuer | None = None  # set by the service that runs the engine
+        self._busy: dict[str, asyncio.Future[None]] = {}  # ids being claimed or taken over here
+        self._claims: dict[str, Claim] = {}  # claims won, for the generation about to start here
         self._tasks: set[asyncio.Task[object]] = set()
         registry.followers_elsewhere = self._followers_elsewhere
         self.store.start(on_cancel=self._cancel_here)
-        log.info("request identity: shared through %s (this replica: %s)", _where(url), self.replica_id)
+        takeover = "on" if self.takeover else "off (BUNDLE_TAKEOVER=false)"
+        log.info(
+            "request identity: shared through %s (this replica: %s); takeover %s",
+            _where(url),
+            self.replica_id,
+            takeover,
+        )
 
     # --- open -----------------------------------------------------------------------------------
     async def open(
@@ -77,17 +99,23 @@ class Replicas:
         numbered: bool,
     ) -> Subscription:
         """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
-        while (pending := self._claiming.get(request_id)) is not None:
-            await asyncio.wait({pending})  # another request here is claiming this id: wait for it
-        if self._registry.find(request_id, fingerprint) is not None:
-            return here()
-        done = asyncio.get_running_loop().create_future()
-        self._claiming[request_id] = done
-        try:
+        async with self._exclusive(request_id):
+            if self._registry.find(request_id, fingerprint) is not None:
+                return here()
             mine = Claim(fingerprint, self.replica_id, stream, numbered=numbered)
             return await self._claim_or_follow(request_id, mine, last_event_id, here)
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, request_id: str) -> AsyncIterator[None]:
+        """One claim or takeover of an id at a time on this replica (the others wait for it)."""
+        while (pending := self._busy.get(request_id)) is not None:
+            await asyncio.wait({pending})
+        done = asyncio.get_running_loop().create_future()
+        self._busy[request_id] = done
+        try:
+            yield
         finally:
-            del self._claiming[request_id]
+            del self._busy[request_id]
             done.set_result(None)
 
     async def _claim_or_follow(
@@ -96,7 +124,7 @@ class Replicas:
         if last_event_id is None:
             claim = await self.store.claim(request_id, mine, self._claim_ttl_s)
             if claim is None:
-                return await self._start(request_id, here)
+                return await self._start(request_id, mine, here)
         else:
             claim = await self.store.get(request_id)
             if claim is None:
@@ -109,16 +137,24 @@ class Replicas:
                 f"X-Request-Id {request_id!r} was already used with a different request body",
                 param="X-Request-Id",
             )
+        after = last_event_id or 0
         view = await self.store.view(request_id, claim.owner)
         if claim.running and not view.owner_alive:
-            raise ProducerLost(f"the replica that ran X-Request-Id {request_id!r} stopped; use a new id")
-        after = last_event_id or 0
+            taken = await self._take_over(request_id, time.monotonic())
+            if isinstance(taken, Entry):
+                return self._read_here(taken, after)
+            if taken is None:
+                raise ProducerLost(f"the replica that ran X-Request-Id {request_id!r} stopped; use a new id")
+            claim = taken
+            view = await self.store.view(request_id, claim.owner)
         if claim.stream:
             _check_resumable(view, after, finished=not claim.running)
         self._metrics.replayed_requests.inc()
-        return RemoteSubscription(self.store, request_id, claim, after, self._metrics)
+        rescue = self._rescue if self.takeover else None
+        return RemoteSubscription(self.store, request_id, claim, after, self._metrics, rescue)
 
-    async def _start(self, request_id: str, here: OpenHere) -> Subscription:
+    async def _start(self, request_id: str, mine: Claim, here: OpenHere) -> Subscription:
+        self._claims[request_id] = mine  # what `mirror` fences the log with
         try:
             return here()  # validates, admits and starts; Service._start calls `own`
         except BaseException:
@@ -126,27 +162,145 @@ class Replicas:
             with contextlib.suppress(BundleError):
                 await self.store.release(request_id)
             raise
+        finally:
+            self._claims.pop(request_id, None)
+
+    def _read_here(self, entry: Entry, after: int) -> Subscription:
+        """A reader of a generation this replica just took over."""
+        try:
+            if entry.output.stream:
+                entry.output.events.check_resumable(after)
+        except BundleError:
+            self._registry.unattended(entry)
+            raise
+        self._metrics.replayed_requests.inc()
+        return self._registry.subscribe(entry, after)
+
+    # --- takeover -------------------------------------------------------------------------------
+    async def _take_over(self, request_id: str, lost_at: float) -> Entry | Claim | None:
+        """Claim a generation whose owner is gone and continue it here. Returns the generation
+        (taken here), the claim in force (another replica's, or an ended one), or None (no
+        takeover: it is off, or the claim is gone)."""
+        if not self.takeover or self.continuer is None:
+            return None
+        held = await self.store.held(request_id)
+        if held is None or not held.claim.running:
+            return None if held is None else held.claim
+        if held.claim.owner == self.replica_id or await self.store.alive(held.claim.owner):
+            return held.claim  # taken over already (by this replica or another)
+        new = replace(held.claim, owner=self.replica_id, epoch=held.claim.epoch + 1)
+        if not await self.store.take(request_id, held, new, self._claim_ttl_s):
+            self._metrics.takeovers.labels("lost_race").inc()
+            return await self.store.get(request_id)
+        entries, recipe = await self.store.log(request_id)
+        logged = read_log(entries, recipe)
+        if logged.end is not None:  # only the end was missing: write it, nothing to run
+            self._metrics.takeovers.labels("finished").inc()
+            ended = replace(new, state=logged.end)
+            writer = self._fence(request_id, new)
+            if not logged.closed:  # its error event went out, its [DONE] did not
+                writer.append(request_id, logged.last + 1, DONE_DATA)
+            writer.finish(request_id, ended, None)
+            return ended
+        return await self._continue(request_id, new, logged, lost_at)
+
+    async def _continue(self, request_id: str, claim: Claim, logged: Logged, lost_at: float) -> Entry:
+        assert self.continuer is not None
+        self._claims[request_id] = claim
+        try:
+            return await self.continuer(request_id, claim, logged, lost_at)
+        except BaseException:
+            # Not started here (429, or a failure): hand the claim on, so another replica can.
+            self._fence(request_id, claim).finish(request_id, replace(claim, owner=""), None, running=True)
+            raise
+        finally:
+            self._claims.pop(request_id, None)
+
+    def _fence(self, request_id: str, claim: Claim) -> StreamWriter:
+        """The writer, its writes of `request_id` fenced by `claim` (for ends written here)."""
+        self.writer.guard(request_id, _Fence(claim.encode()))
+        return self.writer
+
+    async def _rescue(self, request_id: str) -> Claim | None:
+        """A reader here found the owner it followed gone: take the generation over (or learn
+        who did). Its continuation here has no reader of its own: the grace window starts."""
+        async with self._exclusive(request_id):
+            taken = await self._take_over(request_id, time.monotonic())
+        if not isinstance(taken, Entry):
+            return taken
+        self._registry.unattended(taken)
+        return await self.store.get(request_id)
+
+    def continue_with(self, continuer: Continuer) -> None:
+        self.continuer = continuer
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        """Those ids whose generation runs with its owner gone (for background work: nobody
+        comes back for it, so someone must take it over)."""
+        return await self.store.orphans(request_ids) if self.takeover else []
+
+    async def hand_off(self) -> None:
+        """Shutdown: stop every generation here that another replica can continue, write its
+        last events and hand its claim over (owner ""); its readers here resume elsewhere."""
+        if not self.takeover:
+            return
+        leaving = [entry for entry in self._registry.running_with_id() if entry.output.recorder is not None]
+        for entry in leaving:
+            self._registry.abort(entry, HANDOFF)
+        await asyncio.gather(*(entry.task for entry in leaving if entry.task), return_exceptions=True)
+        await self.writer.drain(timeout_s=STORE_DRAIN_BOUND_S)
+        if leaving:
+            log.info("handed %d generations over to other replicas", len(leaving))
 
     # --- the owner's side -------------------------------------------------------------------------
-    def mirror(self, entry: Entry) -> None:
-        """Put the shared log behind a generation this replica is about to start. Called before
-        its task exists: the task may run its first steps at once (eager start) and emit."""
+    def mirror(self, entry: Entry, kept: int | None = None) -> None:
+        """Put the shared log behind a generation this replica is about to start (its claim is
+        in `_claims`), fenced by that claim. Called before its task exists: the task may run its
+        first steps at once (eager start) and emit. `kept`: a takeover's count of logged ids."""
         request_id = entry.request_id
         assert request_id is not None
         assert isinstance(entry.output.events, ReplayBuffer)
-        entry.output.events = SharedLog(entry.output.events, self.writer, request_id)
+        claim = self._claims[request_id]
+        shared = SharedLog(
+            entry.output.events,
+            self.writer,
+            request_id,
+            claim=claim,
+            write_ahead=self.takeover,
+            on_lost=lambda: self._lost(entry),
+            kept=kept,
+        )
+        entry.output.events = shared
+        if kept is not None and self.takeover:  # a continuation: its ids are logged from the start
+            entry.output.recorder = shared
+
+    def record(self, entry: Entry, recipe: Callable[[], Recipe]) -> None:
+        """Log what a takeover needs; a generation it can continue also logs its token ids."""
+        assert entry.request_id is not None and isinstance(entry.output.events, SharedLog)
+        if not self.takeover:
+            return
+        made = recipe()
+        self.writer.record(entry.request_id, made.encode())
+        if made.refusal is None:
+            entry.output.recorder = entry.output.events
 
     def own(self, entry: Entry) -> None:
         """Write the final state to the store when the generation (mirrored) ends."""
         request_id = entry.request_id
-        assert request_id is not None and entry.fingerprint is not None and entry.task is not None
+        assert request_id is not None and entry.task is not None
         output = entry.output
-        # Followers re-frame the stored data (RemoteSubscription) as the claim says: with ids
-        # exactly when the creator's own buffer numbers its events, so every reader's bytes match.
-        assert isinstance(output.events, SharedLog)  # mirrored before the task started
-        claim = Claim(entry.fingerprint, self.replica_id, output.stream, numbered=output.events.numbered)
+        shared = output.events
+        assert isinstance(shared, SharedLog)  # mirrored before the task started
+        claim = shared.holder
+        assert claim is not None
 
         def finished(_: asyncio.Task[None]) -> None:
+            if shared.taken_over:
+                return  # the claim is another replica's: nothing more of ours is written
+            if output.handed_off:
+                self._metrics.handoffs.inc()
+                self.writer.finish(request_id, replace(claim, owner=""), None, running=True)
+                return
             body = None
             if not output.stream or not output.accepted:
                 # A whole answer, or the 4xx of a request refused while rendering its prompt
@@ -156,9 +310,14 @@ class Replicas:
                 except BundleError as error:
                     body = orjson.dumps({"status": error.status_code, "body": error.to_openai()})
             ended = replace(claim, state=final_status(entry))
-            self.writer.finish(request_id, ended, body)
+            self.writer.finish(request_id, ended, body, shared.next_sequence)
 
         entry.task.add_done_callback(finished)
+
+    def _lost(self, entry: Entry) -> None:
+        log.warning("generation %s was taken over by another replica; stopped here", entry.request_id)
+        self._metrics.claims_lost.inc()
+        self._registry.abort(entry, "taken_over")
 
     async def _followers_elsewhere(self, entry: Entry) -> float:
         """The registry's grace window asks: how much longer do readers on other replicas hold
@@ -201,6 +360,19 @@ class Replicas:
         await self.writer.drain(timeout_s=STORE_DRAIN_BOUND_S)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.aclose()
+
+
+class _Fence:
+    """A writer's guard for an end written without a generation here (`_take_over`)."""
+
+    def __init__(self, claim: bytes) -> None:
+        self.claim = claim
+
+    def written(self, upto: int) -> None:
+        pass
+
+    def lost(self) -> None:
+        pass
 
 
 def _check_resumable(view: StreamView, after: int, *, finished: bool) -> None:

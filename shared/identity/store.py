@@ -2,9 +2,16 @@
 streams of every replica, in one Redis (or Valkey) database.
 
 Keys, one deployment per database (a second deployment uses another: redis://host/1):
-  bundle:claim:{id}       JSON {fp, owner, stream, state, numbered}; SET NX makes the first replica the owner
-  bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, b = a whole
-                          non-streaming answer or the 4xx of a refused request ({status, body})
+  bundle:claim:{id}       JSON {fp, owner, stream, state, numbered, epoch}; SET NX makes the first
+                          replica the owner; a takeover (shared/identity/takeover.py) swaps the owner
+                          and bumps the epoch; owner "" means handed off (anyone may take it over)
+  bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, x = a text
+                          piece of a non-streaming generation, b = a whole non-streaming answer or
+                          the 4xx of a refused request ({status, body}); t = the token ids whose
+                          text the entry carries (uint32 little-endian), k = how many ids logged
+                          before it a takeover kept (the rest were generated again)
+  bundle:recipe:{id}      JSON: what a takeover needs to continue the generation (prompt token ids,
+                          sampling parameters, the chunks' id and creation time)
   bundle:follow:{id}      exists while a follower on some replica reads (refreshed, short expiry)
   bundle:replica:{rid}    a replica's heartbeat (refreshed, short expiry)
   bundle:cancel:{rid}     pub/sub channel: ids the replica `rid` must abort
@@ -57,12 +64,13 @@ SOCKET_TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class Claim:
     fingerprint: str  # of the request body: another body under this id is a conflict
-    owner: str  # the replica that runs the generation
+    owner: str  # the replica that runs the generation; "" once handed off for a takeover
     stream: bool
     state: str = RUNNING  # then the registry's final status: completed, failed, cancelled
     # Whether the creator's events carry `id:` lines; followers elsewhere frame theirs the same.
     # True when absent: claims written before this field existed were always numbered.
     numbered: bool = True
+    epoch: int = 0  # how many takeovers the generation went through (0: its first producer)
 
     @property
     def running(self) -> bool:
@@ -78,6 +86,14 @@ class Claim:
 
 
 @dataclass(frozen=True)
+class HeldClaim:
+    """A claim as read, with its stored bytes: a takeover swaps it only if they are unchanged."""
+
+    claim: Claim
+    raw: bytes
+
+
+@dataclass(frozen=True)
 class StreamView:
     """What a follower needs to know before its first byte: which events are held, is the owner up."""
 
@@ -90,7 +106,11 @@ class StreamView:
 class ReadStep:
     entries: list[tuple[int, dict[bytes, bytes]]]  # (sequence, fields), in order
     owner_alive: bool | None  # None: not checked on this step
-    state: str | None  # the claim's state when checked; None: not checked or gone
+    claim: Claim | None  # the claim when checked; None: not checked or gone
+
+    @property
+    def state(self) -> str | None:
+        return None if self.claim is None else self.claim.state
 
 
 def claim_key(request_id: str) -> str:
@@ -105,6 +125,10 @@ def follow_key(request_id: str) -> str:
     return f"{PREFIX}follow:{request_id}"
 
 
+def recipe_key(request_id: str) -> str:
+    return f"{PREFIX}recipe:{request_id}"
+
+
 def replica_key(replica_id: str) -> str:
     return f"{PREFIX}replica:{replica_id}"
 
@@ -113,39 +137,99 @@ def cancel_channel(replica_id: str) -> str:
     return f"{PREFIX}cancel:{replica_id}"
 
 
-# The owner's writes of one flush, as one script call. KEYS: the stream of each event, then
-# (stream, claim) per finished generation. ARGV: max events per stream, the running and the
-# retention TTLs (ms), the number of events, then per event its sequence, data and whether
-# its stream is new (1: set the running TTL), then per end its answer ("" for a stream) and
-# final claim. In order, so a generation's end is written after its events.
+# The owner's writes of one flush, as one script call, one group of arguments per generation.
+# ARGV: max events per stream, the running TTL (ms), the number of groups; then per group: its
+# request id, the claim its writer holds ("" for none: no check), and a header "FIRST COUNT NEW
+# FIELD RECIPE KEPT END": the sequence of its first event, its number of events, 1 if its stream
+# is new (set the running TTL), the events' field (d or x), and 1 for each extra that follows;
+# then per event its data and token ids ("" for none); then the extras: the recipe, the kept
+# count (carried by its first event), the end (final claim, answer or "", the answer's sequence,
+# the TTL in ms of the keys after it). Few arguments per event, because redis-py builds each one
+# in Python on the API process's event loop; keys are named here from the request id.
+# A group whose claim is no longer the writer's (another replica took the generation over)
+# writes nothing: the script returns the numbers of those groups, and their writer stops. A
+# claim that vanished (a store restarted without persistence) is written back: nobody else
+# holds it. In order, so a generation's end is written after its events.
 DATA = b"d"  # field of one streamed event's data
+TEXT = b"x"  # field of a text piece of a non-streaming generation
+TOKENS = b"t"  # the token ids of an entry's text, packed
+KEPT = b"k"  # ids logged before this entry that a takeover kept
 BODY = b"b"  # field of a non-streaming answer: {"status", "body"}
 APPEND_SCRIPT = f"""
-local max_events, running_ttl, retention = ARGV[1], ARGV[2], ARGV[3]
-local events = tonumber(ARGV[4])
-local a = 5
-for i = 1, events do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', max_events, ARGV[a] .. '-0', '{DATA.decode()}', ARGV[a + 1])
-  if ARGV[a + 2] == '1' then redis.call('PEXPIRE', KEYS[i], running_ttl) end
-  a = a + 3
+local max_events, running_ttl = ARGV[1], ARGV[2]
+local a = 4
+local lost = {{}}
+for g = 1, tonumber(ARGV[3]) do
+  local id, held = ARGV[a], ARGV[a + 1]
+  local first, count, new, field, has_recipe, has_kept, has_end =
+    string.match(ARGV[a + 2], '(%d+) (%d+) (%d) (%a) (%d) (%d) (%d)')
+  first, count = tonumber(first), tonumber(count)
+  local stream, claim, recipe = '{PREFIX}events:' .. id, '{PREFIX}claim:' .. id, '{PREFIX}recipe:' .. id
+  local extras = a + 3 + 2 * count
+  local mine = true
+  if held ~= '' then
+    local now = redis.call('GET', claim)
+    if not now then
+      redis.call('SET', claim, held, 'PX', running_ttl)
+    elseif now ~= held then
+      mine = false
+      lost[#lost + 1] = g
+    end
+  end
+  local kept = ''
+  if has_recipe == '1' then
+    if mine then redis.call('SET', recipe, ARGV[extras], 'PX', running_ttl) end
+    extras = extras + 1
+  end
+  if has_kept == '1' then
+    kept = ARGV[extras]
+    extras = extras + 1
+  end
+  if mine then
+    for i = 0, count - 1 do
+      local fields = {{field, ARGV[a + 3 + 2 * i]}}
+      local ids = ARGV[a + 4 + 2 * i]
+      if ids ~= '' then fields[#fields + 1] = '{TOKENS.decode()}'; fields[#fields + 1] = ids end
+      if i == 0 and kept ~= '' then fields[#fields + 1] = '{KEPT.decode()}'; fields[#fields + 1] = kept end
+      redis.call('XADD', stream, 'MAXLEN', '~', max_events, (first + i) .. '-0', unpack(fields))
+    end
+    if new == '1' then redis.call('PEXPIRE', stream, running_ttl) end
+  end
+  if has_end == '1' then
+    if mine then
+      local body = ARGV[extras + 1]
+      if body ~= '' then redis.call('XADD', stream, ARGV[extras + 2] .. '-0', '{BODY.decode()}', body) end
+      redis.call('PEXPIRE', stream, ARGV[extras + 3])
+      redis.call('PEXPIRE', recipe, ARGV[extras + 3])
+      redis.call('SET', claim, ARGV[extras], 'PX', ARGV[extras + 3])
+    end
+    extras = extras + 4
+  end
+  a = extras
 end
-for k = events + 1, #KEYS, 2 do
-  if ARGV[a] ~= '' then redis.call('XADD', KEYS[k], '1-0', '{BODY.decode()}', ARGV[a]) end
-  redis.call('PEXPIRE', KEYS[k], retention)
-  redis.call('SET', KEYS[k + 1], ARGV[a + 1], 'PX', retention)
-  a = a + 2
-end
-return events
+return lost
+"""
+# A takeover: the claim becomes the taker's only if it is still exactly what the taker read and
+# its owner's heartbeat has lapsed (or it was handed off: owner "", whose key never exists).
+# KEYS: the claim, the owner's heartbeat, the stream, the recipe. ARGV: the claim as read, the
+# new claim, the TTL (ms) of all three from now. 1: taken; 0: someone else holds it.
+TAKE_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+return 1
 """
 
 
 @dataclass
 class AppendBatch:
-    """One flush's keys and arguments for APPEND_SCRIPT, and the commands it stands for."""
+    """One flush's arguments for APPEND_SCRIPT, and the commands it stands for."""
 
-    keys: list[str] = field(default_factory=list)
     args: list[bytes | str | int] = field(default_factory=list)
     commands: int = 0
+    groups: list[str] = field(default_factory=list)  # the request id of each group, in order
 
 
 class IdentityStore:
@@ -161,7 +245,9 @@ class IdentityStore:
             socket_timeout=SOCKET_TIMEOUT_S,
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self._append_sha = hashlib.sha1(APPEND_SCRIPT.encode()).hexdigest()  # what the server names it
+        self._scripts = {
+            script: hashlib.sha1(script.encode()).hexdigest() for script in (APPEND_SCRIPT, TAKE_SCRIPT)
+        }
 
     # --- accounting ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -189,9 +275,59 @@ class IdentityStore:
         return None if old is None else Claim.decode(old)
 
     async def get(self, request_id: str) -> Claim | None:
+        held = await self.held(request_id)
+        return None if held is None else held.claim
+
+    async def held(self, request_id: str) -> HeldClaim | None:
+        """The claim and its stored bytes (what a takeover must find unchanged)."""
         async with self._trip("get"):
             raw = await self.client.get(claim_key(request_id))
-        return None if raw is None else Claim.decode(raw)
+        if raw is None:
+            return None
+        return HeldClaim(Claim.decode(raw), raw if isinstance(raw, bytes) else raw.encode())
+
+    async def take(self, request_id: str, held: HeldClaim, new: Claim, ttl_s: float) -> bool:
+        """Make `new` the claim if it is still `held` and its owner is gone (TAKE_SCRIPT): of
+        replicas that try at once, exactly one gets True."""
+        keys = [
+            claim_key(request_id),
+            replica_key(held.claim.owner),
+            events_key(request_id),
+            recipe_key(request_id),
+        ]
+        async with self._trip("take", 4):
+            taken = await self._run(TAKE_SCRIPT, keys, [held.raw, new.encode(), _ms(ttl_s)])
+        return bool(taken)
+
+    async def alive(self, replica_id: str) -> bool:
+        """Whether the replica's heartbeat (its lease on the generations it runs) is current."""
+        async with self._trip("alive"):
+            return bool(await self.client.exists(replica_key(replica_id)))
+
+    async def log(self, request_id: str) -> tuple[list[tuple[int, dict[bytes, bytes]]], bytes | None]:
+        """Every entry of a generation's stream, and its recipe (None: none was written)."""
+        async with self._trip("log", 2), self.client.pipeline(transaction=False) as pipe:
+            pipe.xrange(events_key(request_id), "-", "+")
+            pipe.get(recipe_key(request_id))
+            entries, recipe = await pipe.execute()
+        return [(_sequence(entry_id), fields) for entry_id, fields in entries], recipe
+
+    async def orphans(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` whose generation runs and whose owner is gone (or handed it off)."""
+        if not request_ids:
+            return []
+        async with self._trip("orphans", len(request_ids)):
+            raws = await self.client.mget([claim_key(request_id) for request_id in request_ids])
+        claims = {rid: Claim.decode(raw) for rid, raw in zip(request_ids, raws, strict=True) if raw is not None}
+        running = {rid: claim for rid, claim in claims.items() if claim.running}
+        owners = sorted({claim.owner for claim in running.values()})
+        if not owners:
+            return []
+        async with self._trip("orphans", len(owners)), self.client.pipeline(transaction=False) as pipe:
+            for owner in owners:
+                pipe.exists(replica_key(owner))
+            alive = dict(zip(owners, await pipe.execute(), strict=True))
+        return [rid for rid, claim in running.items() if not alive[claim.owner]]
 
     async def release(self, request_id: str) -> None:
         """Give up a claim whose generation never started (it was refused after the claim)."""
@@ -225,8 +361,7 @@ class IdentityStore:
         if owner is None:
             return ReadStep(entries, None, None)
         raw_claim = results[2]
-        state = None if raw_claim is None else Claim.decode(raw_claim).state
-        return ReadStep(entries, bool(results[1]), state)
+        return ReadStep(entries, bool(results[1]), None if raw_claim is None else Claim.decode(raw_claim))
 
     async def followers_left_s(self, request_id: str) -> float:
         """Seconds until the last follower elsewhere lapses if it stops reading; 0: none."""
@@ -235,19 +370,24 @@ class IdentityStore:
         return max(remaining_ms, 0) / 1000
 
     # --- writes (the owner) ---------------------------------------------------------------------
-    async def append(self, batch: AppendBatch) -> None:
+    async def append(self, batch: AppendBatch) -> list[str]:
         """One round trip, one command: every event and end of a flush, appended by a script.
+        Returns the generations whose claim another replica holds now (nothing of theirs written).
 
         One XADD per event in a pipeline costs the API process ~23-28 us of CPU per event at 256
         streams (redis-py builds and parses each command in Python), the script ~7 us
         (`python -m bench.store_writes`, results/cpu/store-writes.txt); at 256 streams an
         event carries one token."""
         async with self._trip("write", batch.commands):
-            try:
-                await self.client.evalsha(self._append_sha, len(batch.keys), *batch.keys, *batch.args)
-            except NoScriptError:  # a new or restarted server: load it once, then again by hash
-                self._append_sha = await self.client.script_load(APPEND_SCRIPT)
-                await self.client.evalsha(self._append_sha, len(batch.keys), *batch.keys, *batch.args)
+            lost = await self._run(APPEND_SCRIPT, [], batch.args)
+        return [batch.groups[int(group) - 1] for group in lost]
+
+    async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.client.evalsha(self._scripts[script], len(keys), *keys, *args)
+        except NoScriptError:  # a new or restarted server: load it once, then again by hash
+            self._scripts[script] = await self.client.script_load(script)
+            return await self.client.evalsha(self._scripts[script], len(keys), *keys, *args)
 
     # --- cancel -------------------------------------------------------------------------------
     async def publish_cancel(self, owner: str, request_id: str) -> None:

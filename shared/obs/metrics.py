@@ -116,7 +116,37 @@ class Metrics:
             registry=r,
         )
         self._add_store_metrics(r)
+        self._add_takeover_metrics(r)
         self._add_model_metrics(r)
+
+    def _add_takeover_metrics(self, r: CollectorRegistry) -> None:
+        """Generations continued across replicas (BUNDLE_REDIS_URL, BUNDLE_TAKEOVER)."""
+        self.takeovers = Counter(
+            "bundle_takeovers",
+            "Generations whose producer was lost that this replica claimed (continued; ended: could "
+            "not be continued exactly, so ended with producer_lost; finished: only their end was "
+            "missing), or lost_race: another replica claimed them first.",
+            ["outcome"],
+            registry=r,
+        )
+        self.takeover_seconds = Histogram(
+            "bundle_takeover_seconds",
+            "From finding a generation's producer lost (or handed over) to its first new token here.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.continued_tokens = Counter(
+            "bundle_continued_tokens", "Tokens generated here for generations taken over.", registry=r
+        )
+        self.claims_lost = Counter(
+            "bundle_claims_lost",
+            "Generations stopped here because another replica took them over meanwhile (this one "
+            "was paused, or cut off from the store, past its heartbeat).",
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "bundle_handoffs", "Generations handed over to other replicas at shutdown.", registry=r
+        )
 
     def _add_model_metrics(self, r: CollectorRegistry) -> None:
         """Per served model: the base and each LoRA adapter. Only names the server admitted

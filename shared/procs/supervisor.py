@@ -67,7 +67,10 @@ def serve_processes(settings: Settings) -> int:
         if settings.redis_url is None:
             store = LocalStore(workdir)  # first: its start forks, before any thread exists here
             store.start()
-            settings = settings.model_copy(update={"redis_url": SecretStr(store.url)})
+            # Takeover off: these processes share one fate (one ends, all end) and this store
+            # dies with them, so no process could continue another's generation; with takeover
+            # on, every event would wait for its write (docs/replicas.md) for nothing.
+            settings = settings.model_copy(update={"redis_url": SecretStr(store.url), "takeover": False})
             log.info("request identity across the API processes: a local valkey-server (%s)", store.url)
         return _run(settings, workdir)
     finally:

@@ -7,6 +7,12 @@ end of a dead replica's stream reported as `producer_lost`) holds for responses 
 Background mode needs no change to the core: the replica that creates a background response
 keeps a reader of its own on the generation (the keeper) until it ends, so the generation never
 looks abandoned when the client leaves, and the keeper stores the final object.
+
+When that replica is lost (with a shared store and takeover), another continues the generation
+(shared/identity/replicas.py) and keeps it from then on: a replica that finds it runs a stored
+response's generation keeps it. Nobody need come back for a background response: every replica
+looks for those whose replica is gone (`_adopt_orphans`, every ADOPT_EVERY_S) and opens them,
+which takes them over.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ ID_BYTES = 24  # 192 random bits: response ids cannot be guessed
 # long (the events already written arrive in one read, so this is only the tail's wait).
 FOLD_IDLE_S = 0.2
 FOLD_BOUND_S = 5.0  # and never reads longer than this
+# How often each replica looks for background responses whose replica was lost, and how many it
+# checks at once (one MGET and one pipeline for all of them): a takeover follows within about the
+# heartbeat's lapse (3 s) plus this.
+ADOPT_EVERY_S = 1.0
+ADOPT_BATCH = 256
 
 
 def response_id_for(client_key: str | None, secret: bytes = b"") -> str:
@@ -77,11 +88,16 @@ class Responses:
         api_key = service.settings.api_key
         self._id_secret = api_key.get_secret_value().encode() if api_key is not None else b""
         self._keepers: set[asyncio.Task[None]] = set()
+        self._kept: set[str] = set()  # ids of the responses kept on this replica now
+        self._adopter: asyncio.Task[None] | None = None
+        if self.settings.redis_url is not None and self.settings.takeover:  # replicas to adopt from
+            self._adopter = asyncio.get_running_loop().create_task(self._adopt_orphans())
 
     async def aclose(self) -> None:
-        for task in self._keepers:
+        tasks = [*self._keepers, *([self._adopter] if self._adopter else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.aclose()
 
     # --- create ----------------------------------------------------------------------------------
@@ -104,6 +120,8 @@ class Responses:
                 record = _new_record(response_id, request, history)
                 if request.store:
                     await self.store.put(response_id, record)
+                    if request.background:
+                        await self.store.mark_running(response_id)
         except BaseException:
             reader.close()
             raise
@@ -154,23 +172,35 @@ class Responses:
         previous = parse_responses_request(record["request"])
         return [*record["history"], *input_messages(previous), *output_messages(response["output"])]
 
-    def _keep(self, reader: Subscription, record: Record) -> None:
-        """Follow a stored response to its end on this replica and store the final object."""
+    def _keep(self, reader: Subscription | None, record: Record) -> None:
+        """Follow a stored response to its end on this replica and store the final object
+        (`reader`: from its first event; None: open one)."""
+        response_id = record["id"]
 
         async def keep() -> None:
             folder = ResponseFolder(record["base"])
-            async for _ in translate(reader, folder):
+            async for _ in translate(reader or await self._follow(record), folder):
                 pass
             await self._save(record, folder.response)
 
+        self._kept.add(response_id)  # before the task runs: one keeper per response here
         task = asyncio.get_running_loop().create_task(keep())
         self._keepers.add(task)
-        task.add_done_callback(self._kept)
+        task.add_done_callback(lambda done: self._kept_to_end(done, response_id))
 
-    def _kept(self, task: asyncio.Task[None]) -> None:
+    def _kept_to_end(self, task: asyncio.Task[None], response_id: str) -> None:
         self._keepers.discard(task)
+        self._kept.discard(response_id)
         if not task.cancelled() and task.exception() is not None:
             log.error("a background response's keeper failed: %r", task.exception())
+
+    def _keep_if_taken_over(self, record: Record) -> None:
+        """This replica runs a stored response's generation it did not start (it took it over
+        when the one that did was lost): keep it, as its creator would have."""
+        response_id = record["id"]
+        stored = record["request"].get("store", True) is not False
+        if stored and response_id not in self._kept and self.service.runs_here(response_id):
+            self._keep(None, record)
 
     async def _save(self, record: Record, response: dict[str, Any]) -> None:
         if record["request"].get("store", True) is False:
@@ -178,6 +208,30 @@ class Responses:
         record = {**record, "response": response}
         with contextlib.suppress(BundleError):  # logged by the store's caller on the next read
             await self.store.update(record["id"], record)
+            if response["status"] in TERMINAL and response.get("background"):
+                await self.store.forget_running(record["id"])
+
+    # --- adoption: background responses whose replica was lost -------------------------------------
+    async def _adopt_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(ADOPT_EVERY_S)
+            try:
+                await self._adopt_once()
+            except BundleError as error:  # the store is down: the next round tries again
+                log.debug("adopting background responses: %s", error.message)
+
+    async def _adopt_once(self) -> None:
+        listed = await self.store.running(ADOPT_BATCH)
+        for response_id in await self.service.orphans(listed):
+            record = await self.store.get(response_id)
+            if record is None or record["response"]["status"] in TERMINAL:
+                await self.store.forget_running(response_id)
+                continue
+            try:
+                (await self._follow(record)).close()  # opening it takes it over; a keeper starts
+            except EventsGone:  # nothing left to continue: its stored state says so from now on
+                await self.current(response_id)
+            log.info("adopted background response %s", response_id)
 
     # --- read ------------------------------------------------------------------------------------
     async def record(self, response_id: str) -> Record:
@@ -224,9 +278,13 @@ class Responses:
         return reader
 
     async def _follow(self, record: Record) -> Subscription:
+        """A reader of the response's generation from its first event, on whichever replica runs
+        it (taking it over if its replica was lost)."""
         request = parse_responses_request(record["request"])
         body = chat_body(request, record["history"])
-        return await open_generation(self.service, body, record["id"], follow_only=True)
+        reader = await open_generation(self.service, body, record["id"], follow_only=True)
+        self._keep_if_taken_over(record)
+        return reader
 
     # --- cancel and delete -----------------------------------------------------------------------
     async def cancel(self, response_id: str) -> dict[str, Any]:

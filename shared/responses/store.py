@@ -24,6 +24,9 @@ from shared.settings import Settings
 Record = dict[str, Any]
 PREFIX = "bundle:response:"
 INDEX_KEY = "bundle:responses"  # sorted set of stored ids by time stored (the count bound)
+# Sorted set of background responses not yet ended, by time created: what replicas adopt when the
+# one running a response is lost (shared/responses/manager.py).
+RUNNING_KEY = "bundle:responses:running"
 
 
 class ResponseStore(Protocol):
@@ -34,6 +37,16 @@ class ResponseStore(Protocol):
     async def update(self, response_id: str, record: Record) -> bool: ...
 
     async def delete(self, response_id: str) -> bool: ...
+
+    async def mark_running(self, response_id: str) -> None:
+        """A background response started: list it for adoption until it ends."""
+        ...
+
+    async def running(self, limit: int) -> list[str]:
+        """Background responses listed as not ended, oldest first."""
+        ...
+
+    async def forget_running(self, response_id: str) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -96,6 +109,16 @@ class MemoryStore:
     async def delete(self, response_id: str) -> bool:
         return self._records.pop(response_id, None) is not None
 
+    # One process: a response whose process died is gone with it, and nobody else could adopt it.
+    async def mark_running(self, response_id: str) -> None:
+        pass
+
+    async def running(self, limit: int) -> list[str]:
+        return []
+
+    async def forget_running(self, response_id: str) -> None:
+        pass
+
     async def aclose(self) -> None:
         self._records.clear()
 
@@ -151,6 +174,18 @@ class RedisStore:
         pipe.zrem(INDEX_KEY, response_id)
         removed = (await self._call(pipe.execute()))[0]
         return bool(removed)
+
+    async def mark_running(self, response_id: str) -> None:
+        await self._call(self._redis.zadd(RUNNING_KEY, {response_id: time.time()}))
+
+    async def running(self, limit: int) -> list[str]:
+        horizon = time.time() - self._settings.responses_retention_s
+        await self._call(self._redis.zremrangebyscore(RUNNING_KEY, "-inf", horizon))
+        members = await self._call(self._redis.zrange(RUNNING_KEY, 0, limit - 1))
+        return [member.decode() for member in members]
+
+    async def forget_running(self, response_id: str) -> None:
+        await self._call(self._redis.zrem(RUNNING_KEY, response_id))
 
     async def aclose(self) -> None:
         await self._redis.aclose()
