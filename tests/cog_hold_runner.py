@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
-for _folder in (_ROOT / "cog", _ROOT):  # what cog/predict.py does for itself, before importing it
-    if str(_folder) not in sys.path:
-        sys.path.insert(0, str(_folder))
+for _import_root in (_ROOT / "cog", _ROOT):  # what cog/predict.py does for itself, before importing it
+    if str(_import_root) not in sys.path:
+        sys.path.insert(0, str(_import_root))
 
 import cog_bridge  # noqa: E402
 import cog_cancel  # noqa: E402

@@ -64,7 +64,7 @@ def answered_trips(metrics: Metrics, op: str) -> float:
     return sum(s.value for s in family.samples if s.name.endswith("_count") and s.labels["op"] == op)
 
 
-async def until(predicate: Callable[[], Awaitable[bool] | bool], within_s: float, what: str) -> None:
+async def until(predicate: Callable[[], Awaitable[object] | bool], within_s: float, what: str) -> None:
     """Poll on the test's loop until `predicate()` holds; fail naming `what` after `within_s`."""
     deadline = time.monotonic() + within_s
     while True:
