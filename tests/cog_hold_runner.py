@@ -16,6 +16,11 @@ writing files named after its prediction id in the folder COG_TEST_HOLD_DIR befo
   - `return`: after `start_generation`, waiting for the signal and ignoring the task's cancel, so
     run() returns its generator after coglet cancelled it.
 
+- the subfolder `gate/` (GATE_FOLDER) is a test gate's control folder (tests/gate.py): the engine
+  is wrapped in `GatedEngine`, so a test holds a generation by a word in its prompt through
+  `Gate(<folder>/gate)`, `freeze_engine=True` included (a request vLLM itself must still hold when
+  the test acts: an engine killed under it). Budgets hold the output; the gate can hold the engine.
+
 The runner writes back, in the same folder: `<id>.at-<point>` when it reached a hold,
 `<id>.interrupted` (the exception's name) when the injected exception ended a `submit` hold,
 `<id>.cancel-seen` when the prediction's cancel signal fired, `<id>.generating` when its
@@ -34,15 +39,18 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
-for _folder in (_ROOT / "cog", _ROOT):  # what cog/predict.py does for itself, before importing it
-    if str(_folder) not in sys.path:
-        sys.path.insert(0, str(_folder))
+for _import_root in (_ROOT / "cog", _ROOT):  # what cog/predict.py does for itself, before importing it
+    if str(_import_root) not in sys.path:
+        sys.path.insert(0, str(_import_root))
 
 import cog_bridge  # noqa: E402
 import cog_cancel  # noqa: E402
 import predict  # noqa: E402  (installs the runner's cancel hook)
 
+from tests.gate import GatedEngine  # noqa: E402
+
 HOLD_DIR_VARIABLE = "COG_TEST_HOLD_DIR"
+GATE_FOLDER = "gate"  # inside the hold folder: the gate's rules (tests/gate.py)
 HOLD_LIMIT_S = 120.0  # a hold whose cancel never comes fails its prediction rather than hang
 POLL_S = 0.01
 
@@ -192,5 +200,8 @@ class Runner(predict.Runner):
         if not os.environ.get(HOLD_DIR_VARIABLE):
             raise RuntimeError(f"{HOLD_DIR_VARIABLE} must name the folder of the test's hold files")
         await super().setup(weights)
-        self.service.engine = HeldEngine(self.service.engine)  # type: ignore[assignment]
+        gate_folder = _folder() / GATE_FOLDER
+        gate_folder.mkdir(exist_ok=True)
+        gated = GatedEngine(self.service.engine, gate_folder)
+        self.service.engine = HeldEngine(gated)  # type: ignore[assignment]
         self.service.open = _held_open(self.service.open)  # type: ignore[method-assign]

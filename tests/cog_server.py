@@ -25,11 +25,13 @@ import httpx
 from aiohttp import web
 
 from .conftest import free_port
+from .gate import Gate
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER_REF = "cog/predict.py:Runner"
 HOLD_RUNNER_REF = "tests/cog_hold_runner.py:Runner"
 HOLD_DIR_VARIABLE = "COG_TEST_HOLD_DIR"  # = tests/cog_hold_runner.py's
+GATE_FOLDER = "gate"  # = tests/cog_hold_runner.py's
 RELEASED = 1_000_000  # a budget no generation reaches: everything passes
 
 
@@ -38,6 +40,9 @@ class Holds:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        (folder / GATE_FOLDER).mkdir()
+        # Holds by a word in the prompt, the engine frozen if asked (tests/gate.py).
+        self.gate = Gate(folder / GATE_FOLDER)
 
     def budget(self, prediction: str, outputs: int) -> None:
         self._write(prediction, "budget", str(outputs))
@@ -102,8 +107,8 @@ def running_cog_server(
     stats_path = log_path.with_name("engine-stats.json")
     holds = None
     if runner == HOLD_RUNNER_REF:
+        (log_dir / "holds").mkdir()
         holds = Holds(log_dir / "holds")
-        holds.folder.mkdir()
         env = {HOLD_DIR_VARIABLE: str(holds.folder), **env}
     env = {"COG_MAX_CONCURRENCY": "4", "BUNDLE_ENGINE_STATS_FILE": str(stats_path), **env}
     process = launch(runner, port, log_path, ROOT, env)
@@ -249,6 +254,60 @@ async def until(predicate: Callable[[], bool], within_s: float, what: str) -> No
     while not predicate():
         assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
         await asyncio.sleep(0.01)
+
+
+# --- engine death under a prediction ---------------------------------------------------------------
+# Engine outputs a killed prediction streams before the gate freezes the engine under it: enough
+# for its first SSE outputs, far below any test's max_tokens (the freeze lands within a step or two).
+KILL_HOLD_AFTER = 8
+
+
+async def engine_killed_under_a_prediction(server: CogServer, inputs: dict[str, Any]) -> tuple[Stream, int]:
+    """SIGKILL vLLM's engine core while a streaming prediction is inside it, and let the
+    prediction meet the death. The prediction is held by the gate with the engine frozen
+    (tests/gate.py), so vLLM still holds the request when its core dies, however fast the engine
+    would have finished it; it is let go once coglet reports UNHEALTHY. Returns the prediction as
+    the client saw it and vLLM's own count of running requests (the stats file) at the kill."""
+    with server.held.gate.hold(after=KILL_HOLD_AFTER, freeze_engine=True) as held:
+        inputs = {**inputs, "prompt": held.prompt(str(inputs["prompt"]))}
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.create_task(sse_prediction(client, server.url, inputs, time.monotonic()))
+            await held.until_held()
+            await until(lambda: server.engine_running_requests() == 1, 60, "vLLM holds the prediction")
+            running = server.engine_running_requests()
+            kill_engine_cores(server)
+            await until_unhealthy(client, server.url, within_s=60)
+            held.release()
+            return await task, running
+
+
+async def until_unhealthy(client: httpx.AsyncClient, url: str, within_s: float) -> None:
+    """Poll coglet's health check until it says UNHEALTHY (the runner saw the engine die)."""
+    deadline = time.monotonic() + within_s
+    while (await client.get(f"{url}/health-check")).json()["status"] != "UNHEALTHY":
+        assert time.monotonic() < deadline, f"coglet not UNHEALTHY within {within_s} s of the kill"
+        await asyncio.sleep(0.05)
+
+
+def kill_engine_cores(server: CogServer) -> None:
+    group = os.getpgid(server.process.pid)
+    engine_cores = [
+        int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_engine_core(int(pid), group)
+    ]
+    assert engine_cores, "no vLLM engine core process found in the server's process group"
+    for pid in engine_cores:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _is_engine_core(pid: int, group: int) -> bool:
+    try:
+        if os.getpgid(pid) != group:
+            return False
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ProcessLookupError):
+        return False
+    return "EngineCore" in name or "EngineCore" in cmdline
 
 
 # --- webhooks (predictions sent with `Prefer: respond-async`) ----------------------------------------

@@ -43,15 +43,19 @@ class ServerProcess:
     gate: Gate  # holds this server's generations
 
     def engine_core(self) -> psutil.Process:
-        """vLLM's engine core: the child that titles itself EngineCore."""
-        for child in psutil.Process(self.process.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                    return child
-        raise AssertionError("no engine core child found")
+        return engine_core_of(self.process.pid)
 
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout=timeout)
+
+
+def engine_core_of(server_pid: int) -> psutil.Process:
+    """vLLM's engine core: the server's child that titles itself EngineCore."""
+    for child in psutil.Process(server_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child
+    raise AssertionError("no engine core child found")
 
 
 @contextlib.contextmanager
@@ -167,40 +171,75 @@ class GroupSigterm:
     log: Path
 
 
+class GatedServeCommands:
+    """`subprocess` as bench.startup sees it, but `python -m shared.serve` starts as
+    `python -m tests.gated_serve --gate-dir DIR`: the same server, its engine behind the test gate
+    (tests/gate.py), so the stream running at the signal can be held inside the engine."""
+
+    def __init__(self, gate_dir: Path) -> None:
+        self.gate_dir = gate_dir
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(subprocess, name)
+
+    def Popen(self, command: list[str], **options: object) -> subprocess.Popen[bytes]:  # noqa: N802
+        if command[1:3] == ["-m", "shared.serve"]:
+            command = [command[0], "-m", "tests.gated_serve", "--gate-dir", str(self.gate_dir), *command[3:]]
+        return subprocess.Popen(command, **options)  # type: ignore[call-overload, no-any-return]
+
+
 @dataclass
 class RealStart:
     """One `python -m bench startup --paths eager,wake --runs 1` (one real server start) and how
     its server ended. The benchmark stops every server it starts with SIGTERM to the server's
-    whole group; here a long stream is running when that signal arrives, so the same start also
-    serves the shutdown test (one engine start fewer for the suite)."""
+    whole group; here a long stream is running when that signal arrives (held in the engine: the
+    server starts through tests/gated_serve.py, the same `shared.serve` with its engine behind the
+    test gate), so the same start also serves the shutdown test (one engine start fewer)."""
 
     exit_code: int  # the benchmark's
     out: Path  # startup.json and startup.md
     sigterm: GroupSigterm | BaseException
 
 
-def sigterm_group_mid_stream(url: str, process: subprocess.Popen[bytes], log: Path) -> GroupSigterm:
-    """Start a long stream, read its first events, SIGTERM the whole group, read to the end."""
-    with httpx.Client(base_url=url, timeout=60) as client:
-        headers = {"X-Request-Id": "group-signal"}
-        rest, signalled = act_mid_stream(
-            client, long_chat(), lambda: os.killpg(process.pid, signal.SIGTERM), headers
-        )
+def sigterm_group_mid_stream(url: str, process: subprocess.Popen[bytes], log: Path, gate: Gate) -> GroupSigterm:
+    """Start a long stream, read its first events, SIGTERM the whole group, read to the end.
+
+    The stream is held with the engine frozen (tests/gate.py) when the signal comes, so its
+    request is inside vLLM however fast the engine would have finished it; it is let go once the
+    engine core has exited, and meets the stopped engine while the server drains."""
+    signalled: list[float] = []
+    with (
+        httpx.Client(base_url=url, timeout=60) as client,
+        gate.hold(after=HOLD_AFTER, freeze_engine=True) as held,
+    ):
+        body = long_chat(messages=[{"role": "user", "content": held.prompt("tell me a long story")}])
+
+        def signal_the_group() -> None:
+            held.wait_held()
+            core = engine_core_of(process.pid)
+            signalled.append(time.monotonic())
+            os.killpg(process.pid, signal.SIGTERM)
+            core.wait(timeout=60)
+            held.release()
+
+        rest, _ = act_mid_stream(client, body, signal_the_group, {"X-Request-Id": "group-signal"})
         code = process.wait(timeout=30)
-    return GroupSigterm(rest, code, time.monotonic() - signalled, log)
+    return GroupSigterm(rest, code, time.monotonic() - signalled[0], log)
 
 
 def start_through_the_benchmark(base: Path) -> RealStart:
     """Run the start-up benchmark's eager path once; stop its server mid-stream (see RealStart)."""
-    out, work = base / "out", base / "work"
+    out, work, gate_dir = base / "out", base / "work", base / "gate"
     seed_model_info_cache(work / "warm-cache")
+    gate_dir.mkdir()
     ended: list[GroupSigterm | BaseException] = []
     stop_group = startup._stop_group
 
     def stop_mid_stream(process: subprocess.Popen[bytes]) -> None:
         try:
             port = process.args[process.args.index("--port") + 1]  # type: ignore[union-attr]
-            ended.append(sigterm_group_mid_stream(f"http://127.0.0.1:{port}", process, work / "eager-1.log"))
+            url = f"http://127.0.0.1:{port}"
+            ended.append(sigterm_group_mid_stream(url, process, work / "eager-1.log", Gate(gate_dir)))
         except Exception as exc:  # reported by the shutdown test, not swallowed
             ended.append(exc)
         finally:
@@ -212,6 +251,7 @@ def start_through_the_benchmark(base: Path) -> RealStart:
         for name, value in small.items():
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(startup, "_stop_group", stop_mid_stream)
+        monkeypatch.setattr(startup, "subprocess", GatedServeCommands(gate_dir))
         args = ["--paths", "eager,wake", "--runs", "1", "--out", str(out), "--work", str(work)]
         code = startup.main([*args, "--timeout", "600"])
     return RealStart(code, out, ended[0] if ended else AssertionError("the benchmark stopped no server"))

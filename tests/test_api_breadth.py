@@ -19,6 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from shared.service import Service
+from tests.gate import Gate
 from tests.test_api import sse_events
 from tests.test_identity import read_events
 
@@ -43,6 +44,10 @@ WEATHER_CHOICE = {"type": "function", "function": {"name": "get_weather"}}
 UNKNOWN_CHOICE = {"type": "function", "function": {"name": "no_such_tool"}}
 JSON_MODE = {"type": "json_object"}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Engine deltas of a forced call before the gate holds it: a few tokens into its arguments (the
+# JSON's opening tokens), far below its length (`{"city": ..., "unit": ...}`).
+TOOL_HOLD_AFTER = 4
+N_CHOICE_TOKENS = 128  # each choice's length in the interleaved stream (see that test)
 
 
 class Person(BaseModel):
@@ -110,23 +115,36 @@ def test_json_object_mode_gives_a_json_object(sdk: openai.OpenAI) -> None:
 
 
 # --- tools ------------------------------------------------------------------------------------
-def test_forced_tool_call_streams_arguments_valid_for_the_schema(base_url: str) -> None:
-    body = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": WEATHER_CHOICE,
-        "max_tokens": 60,
-        "stream": True,
-    }
-    sdk = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-    stream = sdk.chat.completions.create(**body)  # type: ignore[call-overload]
-    chunks = [chunk.model_dump() for chunk in stream]
+def test_forced_tool_call_streams_arguments_valid_for_the_schema(base_url: str, gate: Gate) -> None:
+    """Streamed, not sent whole at the end: a piece of the arguments reaches the client while the
+    generation is held in the engine (so before it could end), the rest after the release; joined,
+    they are valid for the schema."""
+    with gate.hold(after=TOOL_HOLD_AFTER) as held:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": held.prompt(MESSAGES[0]["content"])}],
+            "tools": TOOLS,
+            "tool_choice": WEATHER_CHOICE,
+            "max_tokens": 60,
+            "stream": True,
+        }
+        # A read timeout, so a server that sent no piece before the hold fails instead of hanging.
+        sdk = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = iter(sdk.chat.completions.create(**body))  # type: ignore[call-overload]
+        chunks: list[dict[str, Any]] = []
+        while not joined_arguments(chunks).get(0, {}).get("arguments"):
+            chunk = next(stream, None)
+            assert chunk is not None, "the stream ended before any piece of the arguments"
+            chunks.append(chunk.model_dump())
+        held.wait_held()  # the generation is held: that piece came before its end
+        piece = joined_arguments(chunks)[0]["arguments"]
+        held.release()
+        chunks += [chunk.model_dump() for chunk in stream]
     calls = joined_arguments(chunks)
     assert list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["arguments"].startswith(piece) and len(calls[0]["arguments"]) > len(piece)
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER)
-    assert sum(1 for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls") or ()) > 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -220,10 +238,14 @@ def test_n_choices_in_one_response_and_interleaved_in_one_stream(sdk: openai.Ope
     whole = sdk.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, n=3, seed=3)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert all(c.message.content and c.finish_reason for c in whole.choices)
+    # Interleaved as the engine writes the choices, step by step. vLLM merges the outputs a
+    # reader has not taken yet (one per choice), so a stream whose first read came after every
+    # step would carry the choices one after another: 128 steps make that a stall of the API's
+    # loop from the request's first step to its last, not a loaded box's pause.
     stream = sdk.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
-        max_tokens=8,
+        max_tokens=N_CHOICE_TOKENS,
         n=3,
         stream=True,
         stream_options={"include_usage": True},
@@ -239,7 +261,7 @@ def test_n_choices_in_one_response_and_interleaved_in_one_stream(sdk: openai.Ope
             if choice.finish_reason:
                 finished.add(choice.index)
     assert finished == {0, 1, 2}
-    assert usage is not None and usage.completion_tokens == 24
+    assert usage is not None and usage.completion_tokens == 3 * N_CHOICE_TOKENS
     # Interleaved: some chunk of a later choice comes before the last chunk of an earlier one.
     assert any(order.index(later) < max(i for i, x in enumerate(order) if x == 0) for later in (1, 2))
 

@@ -321,23 +321,45 @@ def test_an_open_loop_sends_each_request_on_time_and_caps_those_in_flight() -> N
     assert "ttft_first_wave_s" not in summarise(2, samples, 1.0)
 
 
-def test_a_request_is_timed_from_when_it_was_due_not_from_a_late_send() -> None:
+class StoppedClock:
+    """Stands for `time` in bench.loadgen: its perf_counter moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_request_is_timed_from_when_it_was_due_not_from_a_late_send(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client whose loop is busy when a place comes free sends late; that wait is inside the
-    request's TTFT (else a target that shares its loop with the client, raw, would leave it out)."""
-    from bench.loadgen import gather_limited
+    request's TTFT (else a target that shares its loop with the client, raw, would leave it out).
+    The clock is the test's: the busy loop is a callback, queued as the first request ends, that
+    moves it by BUSY_S in the turn before the second request is sent. Exact, at any machine speed."""
+    from bench import loadgen
+
+    clock = StoppedClock()
+    monkeypatch.setattr(loadgen, "time", clock)
+    busy_s, took_s = 0.05, 0.01
 
     async def one(prompt: list[int]) -> Sample:
-        await asyncio.sleep(0.01)
-        if prompt == [1]:  # the loop is busy for 50 ms right as the first request ends
-            asyncio.get_running_loop().call_soon(time.sleep, 0.05)
-        return Sample(True, first_token_s=0.005, total_s=0.01, output_tokens=1)
+        await asyncio.sleep(0)  # the second request reaches its wait for a place meanwhile
+        clock.advance(took_s)
+        if prompt == [1]:  # the loop is busy right as the first request ends
+            asyncio.get_running_loop().call_soon(clock.advance, busy_s)
+        return Sample(True, first_token_s=0.005, total_s=took_s, output_tokens=1)
 
-    first, second = asyncio.run(gather_limited(one, [[1], [2]], concurrency=1))
-    assert first.send_delay_s < 0.04 <= second.send_delay_s < 1.0
-    assert second.first_token_s >= 0.045 and second.total_s >= 0.05
-    assert second.started_s < first.started_s + first.total_s + 0.005  # due at the first's end
+    first, second = asyncio.run(loadgen.gather_limited(one, [[1], [2]], concurrency=1))
+    assert first.send_delay_s == 0.0 and first.started_s == 0.0
+    assert second.send_delay_s == pytest.approx(busy_s)
+    assert second.first_token_s == pytest.approx(0.005 + busy_s)
+    assert second.total_s == pytest.approx(took_s + busy_s)
+    assert second.started_s == pytest.approx(first.total_s)  # due at the first's end
     rows = summarise(1, [first, second], 1.0)["timeline_ms"]
-    assert rows[1][3] - rows[1][0] >= 40  # [due, first token, end, sent] in ms
+    assert rows[1][3] - rows[1][0] == pytest.approx(busy_s * 1000)  # [due, first token, end, sent] in ms
 
 
 def test_think_time_holds_a_clients_place_before_its_next_request() -> None:

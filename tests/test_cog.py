@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from .cog_server import (
     RUNNER_REF,
     CogServer,
     Stream,
+    engine_killed_under_a_prediction,
     health_status,
     launch,
     probe,
@@ -64,7 +64,6 @@ __all__ = [
     "LONG",
     "CogServer",
     "_health_status",
-    "_kill_engine_cores",
     "_launch",
     "_stop",
     "running_cog_server",
@@ -609,31 +608,17 @@ def test_core_client_reads_the_cog_server_stream(cog_server: CogServer) -> None:
 
 
 def test_dead_engine_is_unhealthy_and_fails_predictions(cog_server: CogServer) -> None:
-    """Last on purpose: it kills the module's engine, under a prediction that is streaming."""
+    """Last on purpose: it kills the module's engine, under a prediction that is streaming (held
+    in the frozen engine by the gate, so vLLM holds it when its core dies)."""
     assert health_status(cog_server.url) == "READY"
-
-    async def go() -> tuple[Stream, int]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            inputs = {**LONG, "max_tokens": SERVER_LIMIT_MAX_TOKENS, "seed": 7}
-            task = asyncio.create_task(sse_prediction(client, cog_server.url, inputs, time.monotonic()))
-            running = 0
-            deadline = time.monotonic() + 30
-            while running != 1 and not task.done() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                running = cog_server.engine_running_requests()
-            _kill_engine_cores(cog_server)
-            return await task, running
-
-    in_flight, running_at_kill = asyncio.run(go())
+    inputs = {**LONG, "max_tokens": SERVER_LIMIT_MAX_TOKENS, "seed": 7}
+    in_flight, running_at_kill = asyncio.run(engine_killed_under_a_prediction(cog_server, inputs))
     assert running_at_kill == 1, "the engine did not hold the stream when it was killed"
     # The stream that was running ends as a failed prediction carrying the engine's reason.
     assert in_flight.completed is not None, in_flight
     assert in_flight.completed["status"] == "failed", in_flight.completed
     assert "the engine died" in in_flight.completed["error"]
-    deadline = time.monotonic() + 30
-    while (status := health_status(cog_server.url)) != "UNHEALTHY" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert status == "UNHEALTHY"
+    assert health_status(cog_server.url) == "UNHEALTHY"
     body = httpx.post(
         f"{cog_server.url}/predictions",
         json={"input": {"prompt": "hi", "max_tokens": 5}},
@@ -645,27 +630,6 @@ def test_dead_engine_is_unhealthy_and_fails_predictions(cog_server: CogServer) -
     # test_coglet_stays_up_and_unhealthy_when_its_worker_exits); it keeps saying why instead.
     assert cog_server.process.poll() is None
     assert health_status(cog_server.url) == "UNHEALTHY"
-
-
-def _kill_engine_cores(server: CogServer) -> None:
-    group = os.getpgid(server.process.pid)
-    engine_cores = [
-        int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_engine_core(int(pid), group)
-    ]
-    assert engine_cores, "no vLLM engine core process found in the server's process group"
-    for pid in engine_cores:
-        os.kill(pid, signal.SIGKILL)
-
-
-def _is_engine_core(pid: int, group: int) -> bool:
-    try:
-        if os.getpgid(pid) != group:
-            return False
-        name = Path(f"/proc/{pid}/comm").read_text().strip()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except (OSError, ProcessLookupError):
-        return False
-    return "EngineCore" in name or "EngineCore" in cmdline
 
 
 async def _two_readers_of_one_generation(engine: ScriptedEngine, request_id: str) -> tuple[Any, Any]:

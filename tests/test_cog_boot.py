@@ -61,23 +61,39 @@ def test_a_forked_engine_child_starts_like_vllm_and_its_output_reaches_coglets_l
     port = free_port()
     log_path = tmp_path / "server.log"
     process = _launch(FORK_RUNNER, port, log_path, ROOT, {"COG_MAX_CONCURRENCY": "1"})
+    expected = [
+        # The coglet fact behind the H200's failure: its stream objects take no attributes.
+        "coglet's sys.stdout takes no attributes: AttributeError",
+        # The decoration worked (the prefix) and every way the child wrote reached the log.
+        f"(EngineCore) {MARKER} via the logging handler",
+        f"(EngineCore) {MARKER} via print",
+        f"RuntimeError: {MARKER} failing on purpose",
+        "forked from coglet's worker",  # the hook's own line, from the child
+    ]
     try:
         status = _wait_for_setup(f"http://127.0.0.1:{port}", process, timeout_s=90)
-        time.sleep(1)  # coglet writes the captured lines as its capture threads forward them
+        # Coglet writes the captured lines as its capture threads forward them, maybe after it
+        # said SETUP_FAILED: wait for them (bounded) before stopping it.
+        _wait_for_lines(log_path, expected, process, timeout_s=30)
     finally:
         _stop(process)
     log = coglet_messages(log_path)
     assert status == "SETUP_FAILED", log[-3000:]
-    # The coglet fact behind the H200's failure: its stream objects take no attributes.
-    assert "coglet's sys.stdout takes no attributes: AttributeError" in log, log[-3000:]
-    # The decoration worked (the prefix) and every way the child wrote reached the log.
-    for expected in (
-        f"(EngineCore) {MARKER} via the logging handler",
-        f"(EngineCore) {MARKER} via print",
-        f"RuntimeError: {MARKER} failing on purpose",
-    ):
-        assert expected in log, f"{expected!r} not in coglet's log:\n{log[-3000:]}"
-    assert "forked from coglet's worker" in log  # the hook's own line, from the child
+    for line in expected:
+        assert line in log, f"{line!r} not in coglet's log:\n{log[-3000:]}"
+
+
+def _wait_for_lines(
+    log_path: Path, lines: list[str], process: subprocess.Popen[bytes], timeout_s: float
+) -> None:
+    """Until every line is in coglet's log, the server exits or `timeout_s` passes (the caller
+    then says which line is missing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        log = coglet_messages(log_path)
+        if all(line in log for line in lines):
+            return
+        time.sleep(0.05)
 
 
 def test_the_hook_is_only_for_coglets_worker() -> None:

@@ -201,7 +201,14 @@ async def _hostile_round(server: CogServer, log: CoordinatedLog, name: str) -> s
         # then every one sent is handled by the worker.
         await until(lambda: log.sent_for(predictions), WITHIN_S, "coglet sent every cancel to its worker")
         await until(log.every_cancel_handled, WITHIN_S, "coglet's worker handled every cancel it was sent")
-        await until(lambda: all(_settled(holds, hooks, p) for p in predictions), WITHIN_S, "all settled")
+        # A cancel the worker delivered (injected into the slot thread, say) reaches the runner a
+        # moment after the worker logged it: until it has, its prediction looks like one whose
+        # cancel was dropped. So wait until no more predictions lack an end than cancels dropped.
+        def settled() -> bool:
+            unended = [p for p in predictions if hooks.terminal(p) is None]
+            return all(_settled(holds, hooks, p) for p in predictions) and len(unended) <= log.dropped_unseen()
+
+        await until(settled, WITHIN_S, "every cancel the worker delivered ended its prediction")
         dropped = [p for p in predictions if hooks.terminal(p) is None]
         reached = [p for p in predictions if p not in dropped]
         for prediction in reached:  # the runner got the cancel: its generation, if any, is gone
@@ -265,6 +272,10 @@ class CoordinatedLog:
 
     def every_cancel_handled(self) -> bool:
         return self._count(SENT) == self._count(DROPPED) + self._count(DELIVERED)
+
+    def dropped_unseen(self) -> int:
+        """Cancels the worker dropped since the last `dropped_since_last_look`."""
+        return self._count(DROPPED) - self._dropped_seen
 
     def dropped_since_last_look(self) -> int:
         total = self._count(DROPPED)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,9 @@ from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.service import Service
 from shared.settings import Settings
 
+from .cog_server import HOLD_RUNNER_REF, engine_killed_under_a_prediction, until
 from .scripted import ScriptedEngine
-from .test_cog import (
-    LONG,
-    CogServer,
-    _health_status,
-    _kill_engine_cores,
-    running_cog_server,
-    sse_prediction,
-)
+from .test_cog import LONG, CogServer, _health_status, running_cog_server
 
 MAX_MODEL_LEN = 1024  # small, so a prompt that leaves less than the default 512 is cheap to send
 
@@ -139,8 +132,11 @@ def test_token_counts_come_from_the_generation() -> None:
 # --- the real Cog server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cog_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CogServer]:
+    # The runner with holds (tests/cog_hold_runner.py), for the engine-death test at the end;
+    # the predictions of every other test are not marked and run as under cog/predict.py.
     limits = {"BUNDLE_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
-    with running_cog_server(tmp_path_factory.mktemp("cog-inputs"), **limits) as server:
+    log_dir = tmp_path_factory.mktemp("cog-inputs")
+    with running_cog_server(log_dir, runner=HOLD_RUNNER_REF, **limits) as server:
         yield server
 
 
@@ -226,32 +222,19 @@ def test_failures_name_the_cog_input(cog_server: CogServer) -> None:
 def test_after_engine_death_nothing_runs_and_new_predictions_say_it_was_already_dead(
     cog_server: CogServer,
 ) -> None:
-    """Last on purpose: it kills the module's engine, under a prediction that is streaming."""
-
-    async def go() -> int:
-        async with httpx.AsyncClient(timeout=120) as client:
-            inputs = {**LONG, "max_tokens": 900, "min_tokens": 900, "seed": 7}
-            task = asyncio.create_task(sse_prediction(client, cog_server.url, inputs, time.monotonic()))
-            running, deadline = 0, time.monotonic() + 30
-            while running != 1 and not task.done() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                running = cog_server.engine_running_requests()
-            _kill_engine_cores(cog_server)
-            stream = await task
-            assert stream.completed is not None and "died during generation" in stream.completed["error"]
-            return running
-
-    assert asyncio.run(go()) == 1, "the engine did not hold the stream when it was killed"
-    deadline = time.monotonic() + 30
-    while _health_status(cog_server.url) != "UNHEALTHY" and time.monotonic() < deadline:
-        time.sleep(0.5)
+    """Last on purpose: it kills the module's engine, under a prediction that is streaming (held
+    in the frozen engine by the gate, so vLLM holds it when its core dies)."""
+    inputs = {**LONG, "max_tokens": 900, "min_tokens": 900, "seed": 7}
+    stream, running = asyncio.run(engine_killed_under_a_prediction(cog_server, inputs))
+    assert running == 1, "the engine did not hold the stream when it was killed"
+    assert stream.completed is not None and "died during generation" in stream.completed["error"]
+    assert _health_status(cog_server.url) == "UNHEALTHY"
     after = predict(cog_server, prompt="hi", max_tokens=5)
     assert after["status"] == "failed"
     assert after["metrics"]["engine_running_requests"] == 0, after["metrics"]
     assert "already died before this prediction started" in after["error"], after["error"]
     # The stats file the core publishes says the same (vLLM's own count, read after death).
-    time.sleep(0.3)
-    assert cog_server.engine_running_requests() == 0
+    asyncio.run(until(lambda: cog_server.engine_running_requests() == 0, 30, "the stats file reads 0"))
 
 
 def _tokenizer() -> Any:

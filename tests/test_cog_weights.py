@@ -14,7 +14,6 @@ import os
 import re
 import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +41,21 @@ class Served:
     in_flight: int = 0
     most_in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # When set, the first ranged GETs (one per party) each wait here until all of them have
+    # arrived: parts fetched side by side meet, parts fetched one after another never do (the
+    # wait times out, the GET fails, and so does the download).
+    side_by_side: threading.Barrier | None = None
+    spans_seen: int = 0
+
+    def must_meet(self, header: str | None) -> bool:
+        """Whether this GET waits at `side_by_side` (call it holding the lock)."""
+        if header is None or header == "bytes=0-0" or self.side_by_side is None:  # not a part
+            return False
+        self.spans_seen += 1
+        return self.spans_seen <= self.side_by_side.parties
+
+
+MEET_WITHIN_S = 60.0  # the parts' requests arrive together in milliseconds; this only ends a hang
 
 
 def _handler(served: Served) -> type[BaseHTTPRequestHandler]:
@@ -56,10 +70,14 @@ def _handler(served: Served) -> type[BaseHTTPRequestHandler]:
                 served.seen.append(header)
                 served.in_flight += 1
                 served.most_in_flight = max(served.most_in_flight, served.in_flight)
+                meets = served.must_meet(header)
             try:
                 if body is None:
                     self.send_error(404)
                     return
+                if meets:
+                    assert served.side_by_side is not None
+                    served.side_by_side.wait(MEET_WITHIN_S)  # BrokenBarrierError: no answer
                 self._send(body, header if served.ranges else None)
             finally:
                 with served.lock:
@@ -77,9 +95,8 @@ def _handler(served: Served) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{len(body)}")
             self.send_header("Content-Length", str(len(part)))
             self.end_headers()
-            for offset in range(0, len(part), 64 * 1024):  # slowly enough for parts to overlap
+            for offset in range(0, len(part), 64 * 1024):
                 self.wfile.write(part[offset : offset + 64 * 1024])
-                time.sleep(0.002)
 
     return Handler
 
@@ -128,6 +145,7 @@ def test_parallel_ranged_download_gives_identical_bytes(
     state, base = served
     state.files["/w.tar"] = archive = make_tar(tiny_model)
     assert len(archive) > 4 * SMALL_PART
+    state.side_by_side = threading.Barrier(2)  # two parts must be in flight at once to be served
     with httpx.Client() as client:
         remote = weights._probe(client, f"{base}/w.tar")
         assert (remote.size, remote.ranges) == (len(archive), True)
@@ -135,7 +153,7 @@ def test_parallel_ranged_download_gives_identical_bytes(
     assert (tmp_path / "w.tar").read_bytes() == archive
     spans = [h for h in state.seen if h != "bytes=0-0"]
     assert len(spans) == 4 and all(h and h.startswith("bytes=") for h in spans)
-    assert state.most_in_flight >= 2  # the parts were fetched side by side
+    assert state.most_in_flight >= 2  # the parts were fetched side by side (they met)
 
 
 def test_a_server_without_ranges_gets_one_stream(

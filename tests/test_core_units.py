@@ -502,22 +502,37 @@ def test_access_log_is_a_setting_and_a_flag(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 async def test_loop_lag_records_how_long_the_loop_was_held() -> None:
-    """A loop held for 0.3 s (a blocking call on it) shows as one lag sample of about that."""
+    """A loop held for 1 s (a blocking call on it) shows as one lag sample of about that; the
+    turns before it, a few milliseconds late at most, stay far below. Samples are counted, not
+    waited for by the clock: the loop is held once three have been taken, and the watcher is
+    stopped once it has taken the held one."""
     import time
 
     from prometheus_client import CollectorRegistry, Histogram
 
     from shared.obs.loop_lag import watch_loop_lag
 
-    lag = Histogram("lag", "test", buckets=(0.01, 0.1, 1.0), registry=CollectorRegistry())
+    held_s, small_s = 1.0, 0.5  # a free turn late by half a second would be a loop stall itself
+    lag = Histogram("lag", "test", buckets=(0.01, small_s), registry=CollectorRegistry())
+
+    def samples() -> dict[str, float]:
+        found = {s.labels["le"]: s.value for s in lag.collect()[0].samples if s.name == "lag_bucket"}
+        return {**found, "count": found["+Inf"]}
+
+    async def until_counted(count: float) -> None:
+        async with asyncio.timeout(60):
+            while samples()["count"] < count:
+                await asyncio.sleep(0.01)
+
     watcher = asyncio.create_task(watch_loop_lag(lag, interval_s=0.02))
-    await asyncio.sleep(0.1)
-    time.sleep(0.3)  # noqa: ASYNC251 - on purpose: holds the loop, as a CPU-heavy request would
-    await asyncio.sleep(0.1)
+    await until_counted(3)
+    free = samples()["count"]
+    time.sleep(held_s)  # noqa: ASYNC251 - on purpose: holds the loop, as a CPU-heavy request would
+    await until_counted(free + 1)
     watcher.cancel()
-    samples = {s.labels["le"]: s.value for s in lag.collect()[0].samples if s.name == "lag_bucket"}
-    assert samples["+Inf"] - samples["0.1"] >= 1  # the held turn: one sample above 0.1 s
-    assert samples["0.1"] >= 3  # the free turns around it: small
+    counted = samples()
+    assert counted["+Inf"] - counted[str(small_s)] >= 1  # the held turn: a sample above
+    assert counted[str(small_s)] >= 3  # the free turns before it: small
 
 
 def test_engine_output_timings_wait_and_handling() -> None:

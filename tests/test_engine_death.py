@@ -64,8 +64,8 @@ async def test_after_death_a_new_stream_gets_503_before_any_200_and_the_server_a
     assert refused.status_code == 503  # not a 200 whose only event is an error
     assert refused.headers["content-type"] == "application/json"
     assert refused.json()["error"]["code"] == "engine_unavailable"
-    for _ in range(200):  # the watchdog: poll, settle, flush, linger (a few seconds at most)
-        if exits:
-            break
-        await asyncio.sleep(0.05)
+    # The watchdog's poll, settle, flush and linger take a few seconds; the bound only ends a hang.
+    async with asyncio.timeout(60):
+        while not exits:
+            await asyncio.sleep(0.05)
     assert exits == [ENGINE_DEAD_EXIT_CODE]

@@ -20,6 +20,7 @@ from shared.errors import EngineUnavailable
 from shared.lifecycle import SAMPLER_TRITON_MIN_ROWS, EngineLifecycle, first_token, warm_up
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers
+from tests.scripted import settle
 
 
 # --- the real CPU engine ------------------------------------------------------------------------
@@ -137,7 +138,7 @@ def test_a_request_while_asleep_waits_for_the_wake_up() -> None:
         await engine.sleep()
         assert engine.asleep and not engine.ready() and engine.healthy()  # 503 on /health, alive
         waiting = asyncio.create_task(collect(engine))
-        await asyncio.sleep(0.1)
+        await settle()  # it runs as far as it can: to its wait for the wake-up (no clock involved)
         assert not waiting.done() and llm.generated == 0
         await engine.wake_up()
         assert await asyncio.wait_for(waiting, 5) == ["x"]
@@ -201,8 +202,13 @@ def test_the_api_answers_503_on_health_while_asleep_and_a_request_waits_for_the_
     app = create_app(Settings(model="tiny", max_num_seqs=4), engine=engine)
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
 
-    async def wake_later() -> None:
-        await asyncio.sleep(0.3)
+    async def wake_once_it_waits() -> None:
+        # The request is in: admitted, and its generation waiting for the wake-up, not served.
+        service = app.state.service
+        while service.stats()["running_generations"] == 0:  # noqa: ASYNC110  (another task's state)
+            await asyncio.sleep(0.01)
+        await settle()
+        assert llm.generated == 0
         await engine.wake_up()
 
     with TestClient(app) as client:
@@ -210,8 +216,9 @@ def test_the_api_answers_503_on_health_while_asleep_and_a_request_waits_for_the_
         client.portal.call(engine.sleep)
         asleep = client.get("/health")
         assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
-        client.portal.start_task_soon(wake_later)
+        woken = client.portal.start_task_soon(wake_once_it_waits)
         answer = client.post("/v1/completions", json=body)  # arrives asleep, served once awake
+        woken.result(timeout=60)  # its checks passed
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == "x" and llm.generated == 1
         assert client.get("/health").status_code == 200

@@ -6,6 +6,8 @@ generation, whichever arrives first.
 Real parts: the session's vLLM CPU engine, a real valkey server (tests/redis_server.py), the
 HTTP app under uvicorn, the Cog bridge's own functions as the runner calls them (its slot-thread
 generator read in this thread), and real `python -m shared.serve` processes for the warm-up.
+The generation the second door must find running is held in the engine (tests/gate.py) until
+that door has joined it.
 """
 
 from __future__ import annotations
@@ -31,21 +33,30 @@ from shared.protocol import ChatCompletionRequest
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, wait_until
+from tests.gate import Gate, Hold
 from tests.real_server import bundle_server
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(600)
 
-# Long enough that the second door's request arrives while the first one's generation runs
-# (min_tokens holds it to this length), short enough for a busy 2-core box.
-TOKENS = 400
+# The answer's exact length (min_tokens holds it there), so the token counts can be compared.
+TOKENS = 64
+
+
+def _counter(service: Service, name: str) -> float:
+    found = re.search(rb"^%s ([0-9.e+]+)$" % name.encode(), service.metrics_text(), re.M)
+    assert found is not None, name
+    return float(found.group(1))
 
 
 def generations(service: Service) -> float:
     """Generations this service started on the engine, from its own /metrics exposition."""
-    found = re.search(rb"^bundle_engine_generations_total ([0-9.e+]+)$", service.metrics_text(), re.M)
-    assert found is not None
-    return float(found.group(1))
+    return _counter(service, "bundle_engine_generations_total")
+
+
+def joined(service: Service) -> float:
+    """Requests this service served from an existing generation, here or on another replica."""
+    return _counter(service, "bundle_attached_requests_total")
 
 
 @contextlib.contextmanager
@@ -61,11 +72,12 @@ def cog_replica(live: LiveServers, redis_url: str) -> Iterator[Service]:
         live.call(stack.aclose())
 
 
-def cog_body(service: Service, seed: int) -> ChatCompletionRequest:
-    """The request a prediction stands for: sampled (Cog's defaults: top_k 50, top_p 0.9), so a
-    second generation would almost surely write another text."""
+def cog_body(service: Service, held: Hold, seed: int) -> ChatCompletionRequest:
+    """The request a prediction stands for, held by `held`: sampled (Cog's defaults: top_k 50,
+    top_p 0.9), so a second generation would almost surely write another text."""
+    prompt = held.prompt("one door")
     return bridge.chat_request_from_inputs(
-        service.settings, prompt="one door", max_tokens=TOKENS, min_tokens=TOKENS, seed=seed
+        service.settings, prompt=prompt, max_tokens=TOKENS, min_tokens=TOKENS, seed=seed
     )
 
 
@@ -74,12 +86,9 @@ def http_json(body: ChatCompletionRequest) -> dict[str, Any]:
     return body.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
-def predict(
-    live: LiveServers, service: Service, body: ChatCompletionRequest, request_id: str
-) -> tuple[str, Any]:
-    """One prediction through the bridge, as `Runner.run` does: admit on the engine's loop, then
-    read the text in this (slot) thread. Returns the text and the token counts it reports."""
-    subscription: Subscription = live.call(bridge.start_generation(service, body, request_id))
+def read_prediction(live: LiveServers, subscription: Subscription) -> tuple[str, Any]:
+    """A prediction's text read in this (slot) thread, as `Runner.run` does after admitting it
+    on the engine's loop (`bridge.start_generation`); and the token counts it reports."""
     text = "".join(bridge.stream_text(subscription, live.loop, RuntimeError))
     return text, bridge.token_counts(subscription)
 
@@ -102,22 +111,23 @@ def answered(thread: threading.Thread, answers: list[Any]) -> dict[str, Any]:
     return dict(answers[0].json())
 
 
-def wait_running(service: Service, timeout_s: float = 120) -> None:
-    wait_until(lambda: service.stats()["running_generations"] == 1, timeout_s)
-
-
 def test_a_cog_prediction_and_an_http_request_with_one_id_follow_one_generation(
-    live: LiveServers, redis_server: RedisServer
+    live: LiveServers, redis_server: RedisServer, gate: Gate
 ) -> None:
     url, http_service = live.serve(redis_url=redis_server.url)
     with cog_replica(live, redis_server.url) as cog_service:
         before = generations(http_service) + generations(cog_service)
 
-        # HTTP first: the prediction on the other replica follows the running generation.
-        body = cog_body(cog_service, seed=1)
-        thread, answers = post_in_background(url, http_json(body), "door-http-first")
-        wait_running(http_service)
-        text, counts = predict(live, cog_service, body, "door-http-first")
+        # HTTP first: the prediction on the other replica joins the generation while it is held
+        # in the engine (running, whatever the engine's speed), then reads it to the end.
+        with gate.hold(after=1) as held:
+            body = cog_body(cog_service, held, seed=1)
+            thread, answers = post_in_background(url, http_json(body), "door-http-first")
+            held.wait_held()
+            joined_before = joined(cog_service)
+            subscription = live.call(bridge.start_generation(cog_service, body, "door-http-first"))
+            assert joined(cog_service) == joined_before + 1 and held.held_count() == 1
+        text, counts = read_prediction(live, subscription)
         answer = answered(thread, answers)
         assert text == answer["choices"][0]["message"]["content"] and text
         usage = answer["usage"]
@@ -125,12 +135,17 @@ def test_a_cog_prediction_and_an_http_request_with_one_id_follow_one_generation(
         assert generations(http_service) + generations(cog_service) == before + 1
         assert generations(cog_service) == 0  # it followed; the engine ran the HTTP side's one
 
-        # The prediction first: the HTTP request on the other replica gets its generation.
-        body = cog_body(cog_service, seed=2)
-        subscription = live.call(bridge.start_generation(cog_service, body, "door-cog-first"))
-        wait_running(cog_service)
-        thread, answers = post_in_background(url, http_json(body), "door-cog-first")
-        text = "".join(bridge.stream_text(subscription, live.loop, RuntimeError))
+        # The prediction first: the HTTP request on the other replica joins its generation, held
+        # until the HTTP side has joined it.
+        with gate.hold(after=1) as held:
+            body = cog_body(cog_service, held, seed=2)
+            subscription = live.call(bridge.start_generation(cog_service, body, "door-cog-first"))
+            held.wait_held()
+            joined_before = joined(http_service)
+            thread, answers = post_in_background(url, http_json(body), "door-cog-first")
+            wait_until(lambda: joined(http_service) == joined_before + 1, timeout=120)
+            assert held.held_count() == 1  # one generation: the HTTP request started none
+        text, _ = read_prediction(live, subscription)
         answer = answered(thread, answers)
         assert text == answer["choices"][0]["message"]["content"] and text
         assert generations(http_service) + generations(cog_service) == before + 2

@@ -46,17 +46,24 @@ def gated_app(live: LiveServers, tmp_path: Path) -> Iterator[tuple[str, FastAPI,
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
 
+    serving: list[asyncio.Task[None]] = []
+
     async def start() -> None:
-        live.loop.create_task(server.serve())
+        serving.append(live.loop.create_task(server.serve()))
         while not server.started:
             await asyncio.sleep(0.01)
+
+    async def stopped() -> None:
+        server.should_exit = True
+        await asyncio.wait(serving, timeout=60)
 
     live.call(start())
     try:
         yield f"http://127.0.0.1:{port}", app, gate
     finally:
         gate.release_all()
-        server.should_exit = True
+        # Its lifespan's shutdown ends here, not in a loop the session has already closed.
+        live.call(stopped())
 
 
 def _chat(prompt: str, **extra: object) -> dict[str, object]:

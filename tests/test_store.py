@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +26,13 @@ from shared.errors import (
 from shared.identity.redis_log import RemoteSubscription, StreamWriter
 from shared.identity.replay import ReplayBuffer
 from shared.identity.replicas import Replicas
-from shared.identity.store import FOLLOW_TTL_S, PRODUCER_LOST_BOUND_S, Claim, IdentityStore, replica_key
+from shared.identity.store import (
+    PRODUCER_LOST_BOUND_S,
+    Claim,
+    IdentityStore,
+    follow_key,
+    replica_key,
+)
 from shared.obs.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, parse_request
 from shared.service import Service
@@ -50,6 +56,23 @@ async def drain(events: AsyncIterator[bytes]) -> bytes:
 
 def trips(metrics: Metrics, op: str) -> float:
     return metrics.store_round_trips.labels(op)._value.get()
+
+
+def answered_trips(metrics: Metrics, op: str) -> float:
+    """Round trips of `op` that have ended (their latency observed): the caller has the answer."""
+    (family,) = metrics.store_latency.collect()
+    return sum(s.value for s in family.samples if s.name.endswith("_count") and s.labels["op"] == op)
+
+
+async def until(predicate: Callable[[], Awaitable[object] | bool], within_s: float, what: str) -> None:
+    """Poll on the test's loop until `predicate()` holds; fail naming `what` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = predicate()
+        if held if isinstance(held, bool) else await held:
+            return
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        await asyncio.sleep(0.01)
 
 
 async def live_store(redis_server: RedisServer, name: str) -> IdentityStore:
@@ -165,8 +188,7 @@ async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is
     try:
         writer.append("ends-in-outage", 1, DONE_DATA)
         writer.finish("ends-in-outage", Claim("fp", "owner-outage", True, state="completed"), None)
-        await asyncio.sleep(0.3)  # the first flush failed meanwhile
-        assert owner.metrics.store_errors.labels("write")._value.get() >= 1
+        await until(lambda: owner.metrics.store_errors.labels("write")._value.get() >= 1, 20, "a failed flush")
     finally:
         redis_server.start()
     await writer.drain(timeout_s=20)
@@ -264,18 +286,23 @@ async def test_cancel_sent_to_another_replica_aborts_on_the_owner(redis_server: 
 
 
 async def test_the_grace_window_counts_readers_on_other_replicas(redis_server: RedisServer) -> None:
+    """B's reader is present in the store before A's own reader leaves; when A's window runs out,
+    A asks the store (a "grace" round trip), finds it and keeps the generation. Once B's reader
+    has left too, its presence lapses (FOLLOW_TTL_S) and the window ends the generation."""
     engine_a = ScriptedEngine()
     a = replica(redis_server, engine_a, disconnect_grace_s=0.2)
     b = replica(redis_server, ScriptedEngine(), disconnect_grace_s=0.2)
-    (await a.open("chat", chat(max_tokens=100), "grace-far")).close()  # its reader leaves
+    owner = await a.open("chat", chat(max_tokens=100), "grace-far")
     follower = await b.open("chat", chat(max_tokens=100), "grace-far")
     reading = asyncio.ensure_future(drain(follower.events()))
-    await asyncio.sleep(1.0)  # the window ran out on A, but B still reads
-    assert engine_a.running and not engine_a.aborted
+    looker = IdentityStore(redis_server.url, "looker", Metrics())
+    await until(lambda: looker.client.exists(follow_key("grace-far")), 10, "B's reader present in the store")
+    await looker.aclose()
+    owner.close()  # A's reader leaves: its window starts
+    await until(lambda: answered_trips(a.metrics, "grace") >= 1, 10, "A's window ran out and asked the store")
+    assert engine_a.running and not engine_a.aborted  # B still reads
     reading.cancel()  # B's reader leaves: its presence lapses, then the window runs once more
-    left = time.monotonic()
-    while engine_a.running and time.monotonic() - left < FOLLOW_TTL_S + 3:
-        await asyncio.sleep(0.05)
+    await until(lambda: not engine_a.running, 30, "the window ended the generation")
     assert engine_a.aborted and a.metrics.aborted_requests.labels("grace_expired")._value.get() == 1
     await a.aclose()
     await b.aclose()
