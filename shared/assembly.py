@@ -19,7 +19,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from shared.engine.vllm import Engine, open_engine
+from shared.engine.contract import Engine
+from shared.engine.vllm import open_engine
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.server_state import GuardedEngine, Lifecycle

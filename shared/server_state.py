@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
 from shared.errors import SHUT_DOWN_MID_GENERATION, SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
 
 if TYPE_CHECKING:

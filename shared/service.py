@@ -20,11 +20,11 @@ from contextlib import AbstractContextManager
 import orjson
 
 from shared.engine.choices import Choices
+from shared.engine.contract import Engine, SamplingRequest
 from shared.engine.lora import Adapters
 from shared.engine.stats_file import publish_engine_stats
 from shared.engine.structured import OutputConstraint, response_constraint
 from shared.engine.tools import check_tool_schemas, forced_constraint, shaper_for
-from shared.engine.vllm import Engine, SamplingRequest
 from shared.errors import (
     BundleError,
     Cancelled,

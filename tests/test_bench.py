@@ -480,7 +480,7 @@ def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -
 
 def test_stepped_engine_hands_out_tokens_as_vllms_stream_interval_does() -> None:
     from bench.stepped import SteppedEngine
-    from shared.engine.vllm import SamplingRequest
+    from shared.engine.contract import SamplingRequest
 
     async def counts(interval: int | None) -> list[int]:
         engine = SteppedEngine(step_s=0.001)

@@ -122,7 +122,8 @@ def test_graph_is_read() -> None:
     """The graph sees the imports it should: a broken reader would make every rule below pass."""
     edges = graph()
     assert len(edges) > 40
-    assert "shared.engine.vllm" in edges["shared.service"]
+    assert "shared.engine.contract" in edges["shared.service"]
+    assert "shared.engine.vllm" in edges["shared.assembly"]
     assert "shared.http.api" in edges["shared.serve"]
     assert "cog_bridge" in edges["predict"]
     assert "bundle_client.sse" in edges["bundle_client.client"]

@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.assembly import EngineFactory, start_service
-from shared.engine.vllm import Engine, open_engine
+from shared.engine.contract import Engine
+from shared.engine.vllm import open_engine
 from shared.errors import (
     BundleError,
     Cancelled,

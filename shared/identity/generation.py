@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from shared.engine.choices import Choices
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
 from shared.errors import BundleError, GenerationFailed, abort_error
 from shared.identity.replay import EventLog, Notifier
 from shared.obs.metrics import Metrics
