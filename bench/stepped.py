@@ -31,9 +31,8 @@ import orjson
 from bench.levels import Meters
 from bench.servers import free_port, process_cpu_s, running_server
 from bench.workload import Workload
-from shared.engine.contract import EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.contract import EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
 from shared.engine.lora import Adapter
-from shared.engine.structured import OutputConstraint
 from shared.errors import InvalidRequest
 
 BASELINE = "baseline"

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, PositiveInt, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/engine/tiny_model.py
+TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/models/tiny_model.py
 # The dtypes vLLM's engine takes (its `ModelDType`): a typo is refused when the settings load,
 # not minutes later when the engine starts.
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]

@@ -637,7 +637,7 @@ def test_cpu_by_process_is_reported_per_token_and_tabled_with_the_busiest_api_pr
 
 
 def test_the_1b_shape_is_llama_3_2_1bs_config_only(tmp_path: Path) -> None:
-    from shared.engine.tiny_model import ensure_model
+    from shared.models.tiny_model import ensure_model
 
     built = ensure_model(tmp_path, "llama3-1b")
     config = orjson.loads((built / "config.json").read_bytes())

@@ -4,9 +4,10 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
-  protocol, streaming) < obs < engine < identity < the assembly (service, lifecycle,
-  server_state, and any other top-level module) < responses (the Responses API, built on the
-  service) < http < the entry point (serve);
+  protocol, streaming) < obs < models (fetching and building model files) < engine (its contract
+  and the vLLM adapter) < shaping (OpenAI output shaping on the contract) < identity < the
+  assembly (service, lifecycle, server_state, and any other top-level module) < responses (the
+  Responses API, built on the service) < http < the entry point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
 - bundle_client imports nothing from shared (it is shipped to users without the server).
 """
@@ -23,22 +24,26 @@ ENTRY = {"shared.serve"}
 # shared.procs (several API processes) runs the http layer's server in each of them.
 LAYER_OF_PACKAGE = {
     "shared.obs": 1,
-    "shared.engine": 2,
-    "shared.identity": 3,
-    "shared.responses": 5,
-    "shared.http": 6,
-    "shared.procs": 6,
+    "shared.models": 2,
+    "shared.engine": 3,
+    "shared.shaping": 4,
+    "shared.identity": 5,
+    "shared.responses": 7,
+    "shared.http": 8,
+    "shared.procs": 8,
 }
-ASSEMBLY, TOP = 4, 7
+ASSEMBLY, TOP = 6, 9
 NAMES = {
     0: "foundation",
     1: "obs",
-    2: "engine",
-    3: "identity",
-    4: "assembly",
-    5: "responses",
-    6: "http",
-    7: "entry",
+    2: "models",
+    3: "engine",
+    4: "shaping",
+    5: "identity",
+    6: "assembly",
+    7: "responses",
+    8: "http",
+    9: "entry",
 }
 
 
@@ -124,6 +129,8 @@ def test_graph_is_read() -> None:
     assert len(edges) > 40
     assert "shared.engine.contract" in edges["shared.service"]
     assert "shared.engine.vllm" in edges["shared.assembly"]
+    assert "shared.engine.contract" in edges["shared.shaping.choices"]
+    assert "shared.models.tiny_model" in edges["shared.engine.vllm"]
     assert "shared.http.api" in edges["shared.serve"]
     assert "cog_bridge" in edges["predict"]
     assert "bundle_client.sse" in edges["bundle_client.client"]
@@ -136,7 +143,7 @@ def test_every_package_of_shared_has_a_layer() -> None:
         ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "shared").glob("*/__init__.py")
     }
     assert packages == set(LAYER_OF_PACKAGE)
-    assert layer("shared.responses.manager") == 5
+    assert layer("shared.responses.manager") == 7
 
 
 def test_no_import_cycles() -> None:

@@ -7,15 +7,57 @@ schedule the real engine cannot give on demand.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.engine.structured import OutputConstraint
-from shared.engine.tools import ToolCallShaper
-
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
+
+
+# What a request may ask of the output, and what a tool-call parser (`Engine.tool_parser`) emits:
+# the API's shapers (shared/shaping/) and the vLLM adapter both speak these, so they live here,
+# below both.
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A JSON schema the output must validate against, or (schema None) any JSON object."""
+
+    json_schema: Mapping[str, Any] | None = None
+
+
+@dataclass
+class ToolDelta:
+    """What one piece of output becomes: plain content and/or tool-call deltas."""
+
+    content: str | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ToolCallShaper(Protocol):
+    def feed(self, text: str, token_ids: Sequence[int]) -> ToolDelta: ...
+
+    def finish(self) -> ToolDelta:
+        """The rest, when the choice ends (calls that could only be parsed whole)."""
+        ...
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def call_start(index: int, name: str, arguments: str) -> dict[str, Any]:
+    """The first delta of a call: id, type and name, and arguments so far."""
+    return {
+        "index": index,
+        "id": new_call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def call_more(index: int, arguments: str) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": arguments}}
 
 
 @dataclass(frozen=True)

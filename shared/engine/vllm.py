@@ -18,11 +18,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.engine.contract import EngineDelta, EngineInfo, PrefixCacheCounts, SamplingRequest, TokenLogprob
+from shared.engine.contract import (
+    EngineDelta,
+    EngineInfo,
+    OutputConstraint,
+    PrefixCacheCounts,
+    SamplingRequest,
+    TokenLogprob,
+    ToolCallShaper,
+)
 from shared.engine.presets import apply_preset
-from shared.engine.structured import OutputConstraint
-from shared.engine.tiny_model import ensure_model
-from shared.engine.tools import ToolCallShaper
 from shared.engine.vllm_features import (
     EngineFeatures,
     client_error_classes,
@@ -32,6 +37,7 @@ from shared.engine.vllm_features import (
     xgrammar_validator,
 )
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.models.tiny_model import ensure_model
 from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Dtype, Settings
 
@@ -196,7 +202,7 @@ class VLLMEngine:
         exactly zero, and no row has index -1. The GPU kernels skip index -1, so GPUs never do this."""
         from vllm.lora.request import LoRARequest
 
-        from shared.engine.random_adapter import write_adapter
+        from shared.models.random_adapter import write_adapter
 
         config = self._llm.model_config.hf_config.to_dict()
         path = write_adapter(directory, config, rank=1, scale=0.0, base=None)
