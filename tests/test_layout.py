@@ -4,7 +4,7 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
-  protocol, streaming) < obs < models (fetching and building model files) < engine (its contract
+  protocol, streaming, redis_client) < obs < models (fetching and building model files) < engine (its contract
   and the vLLM adapter) < shaping (OpenAI output shaping on the contract) < identity < the
   assembly (service, lifecycle, server_state, and any other top-level module) < responses (the
   Responses API, built on the service) < http < the entry point (serve);
@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming"}
+FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming", "shared.redis_client"}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
 # shared.procs (several API processes) runs the http layer's server in each of them.
