@@ -51,7 +51,7 @@ from bench.startup import PHASES, LogCapture, machine, milestones, phases, spawn
 from shared.cache.layout import ROOT_NAME, cache_env
 from shared.cache.manifest import MANIFEST_NAME
 from shared.engine.vllm import resolve_model_path
-from shared.engine.weights import PACK_FOLDER
+from shared.models.weights import PACK_FOLDER
 from shared.settings import Settings
 
 SCHEMA = "bundle-coldboot/1"

@@ -1,7 +1,7 @@
 """`python -m bench lora`: streams spread over LoRA adapters against the same streams on the base.
 
 One bundle server with LoRA on and N random-weight adapters loaded at start (PEFT format, built
-here by `shared.engine.random_adapter` for the served model's shape). Then, on that one server and with
+here by `shared.models.random_adapter` for the served model's shape). Then, on that one server and with
 the same prompts, a level of concurrent streams on the base model and the same level with the
 requests naming the adapters in turn, alternating base / adapters `--repeat` times (the median
 run of each is kept, every run is in the JSON). Prompts differ from run to run (bench/workload.py),
@@ -33,8 +33,8 @@ from bench.requesters import http_requester, load_client, open_connections
 from bench.servers import bundle_command, free_port, running_server
 from bench.targets import WARM_UP_REQUESTS, scheduled
 from bench.workload import Workload
-from shared.engine.random_adapter import model_config, write_adapter
 from shared.engine.vllm import resolve_model_path
+from shared.models.random_adapter import model_config, write_adapter
 from shared.settings import Settings
 
 TARGETS = ("base", "lora")

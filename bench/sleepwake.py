@@ -22,7 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from shared.engine.vllm import Engine, SamplingRequest, VLLMEngine, sleep_mode_available
+from shared.engine.contract import Engine, SamplingRequest
+from shared.engine.vllm import VLLMEngine, sleep_mode_available
 from shared.lifecycle import EngineLifecycle, PromptMaker, warm_up
 from shared.settings import Settings
 

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from bench.redis_overhead import local_store
 from shared.identity.store import APPEND_SCRIPT, Claim, claim_key
 from shared.identity.tokens import pack_ids
+from shared.redis_client import redis_client
 
 EVENT = b'{"id":"cmpl-0123456789abcdef","object":"text_completion","choices":[{"index":0,"text":" word"}]}'
 
@@ -52,7 +53,7 @@ async def claimed(client: Redis, keys: list[str]) -> None:
 
 
 async def measure(url: str, streams: list[int], flushes: int) -> None:
-    client = Redis.from_url(url)
+    client = redis_client(url)  # as the store builds its client
     sha = await client.script_load(APPEND_SCRIPT)  # as the store calls it: by hash
     try:
         for count in streams:

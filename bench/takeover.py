@@ -160,9 +160,9 @@ async def _read(
 
 
 async def _logged_by_a(redis_url: str, streams: list[Stream], seed: int) -> None:
-    from redis.asyncio import Redis
+    from shared.redis_client import redis_client
 
-    client = Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     try:
         async with client.pipeline(transaction=False) as pipe:
             for stream in streams:

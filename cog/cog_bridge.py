@@ -28,8 +28,8 @@ from typing import Any
 import orjson
 from cog_cancel import CancelSignal, plain_submit
 
-from shared.engine.weights import resolve_weights
 from shared.errors import BundleError, Cancelled, EngineUnavailable, InvalidRequest
+from shared.models.weights import resolve_weights
 from shared.protocol import (
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
@@ -92,7 +92,7 @@ def runner_settings(weights: Path | str | None, base: Settings | None = None) ->
     """The bundle's settings for the Cog runner; the model taken from Cog's weights if given.
 
     Cog hands `setup()` the value of `COG_WEIGHTS`: on Replicate usually the URL of a `.tar` of
-    weights, fetched and unpacked here into the settings' cache (shared/engine/weights.py; blocking,
+    weights, fetched and unpacked here into the settings' cache (shared/models/weights.py; blocking,
     so call it off the event loop); a local path or a Hugging Face id is served as it is.
     Without weights the model comes from BUNDLE_MODEL as everywhere else.
 

@@ -106,7 +106,7 @@ image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
     .uv_pip_install(*PACKAGES)
     # The core as local source, mounted at container start (no rebuild when it changes).
-    # .txt too: the built-in "tiny" model trains its tokenizer on shared/engine/tiny_corpus.txt,
+    # .txt too: the built-in "tiny" model trains its tokenizer on shared/models/tiny_corpus.txt,
     # which makes BUNDLE_MODEL=tiny a cheap end-to-end deploy check.
     .add_local_python_source("shared", "bundle_client", ignore=~modal.FilePatternMatcher("**/*.py", "**/*.txt"))
 )

@@ -26,11 +26,12 @@ from pathlib import Path
 
 from shared.cache.layout import point_caches_at
 from shared.cache.start import fetch_pack
-from shared.engine.vllm import Engine, import_engine_modules, open_engine
-from shared.engine.weights import bundled_pack, resolve_weights
+from shared.engine.contract import Engine
+from shared.engine.vllm import import_engine_modules, open_engine
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
-from shared.server_state import GuardedEngine, Lifecycle
+from shared.models.weights import bundled_pack, resolve_weights
+from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
 from shared.settings import Settings
 
@@ -45,20 +46,20 @@ async def start_service(
     *,
     engine: Engine | None = None,
     engine_factory: EngineFactory = open_engine,
-    lifecycle: Lifecycle | None = None,
+    server_state: ServerState | None = None,
 ) -> AsyncIterator[Service]:
     """The service for the block's lifetime. With `engine`, the caller owns its life (and its
     warm-up: tests share one engine between many services); otherwise `engine_factory` opens one
     here, warmed before the service is handed out, so nothing is served before that."""
-    lifecycle = lifecycle or Lifecycle(settings.shutdown_grace_s)
+    server_state = server_state or ServerState(settings.shutdown_grace_s)
     async with contextlib.AsyncExitStack() as stack:
         if engine is None:
             engine = await stack.enter_async_context(engine_factory(settings))
             await _warm(engine, settings)
-        service = Service(settings, GuardedEngine(engine, lifecycle))
+        service = Service(settings, GuardedEngine(engine, server_state))
         stack.push_async_callback(service.aclose)  # last in, so it runs before the engine stops
         with gc_thresholds(settings.gc_thresholds):
-            async with _watched(service, lifecycle):
+            async with _watched(service, server_state):
                 yield service
 
 
@@ -70,11 +71,11 @@ async def _warm(engine: Engine, settings: Settings) -> None:
 
 
 @asynccontextmanager
-async def _watched(service: Service, lifecycle: Lifecycle) -> AsyncIterator[None]:
+async def _watched(service: Service, server_state: ServerState) -> AsyncIterator[None]:
     """The engine-death watchdog, the loop-lag watcher and the GC pause timer, for as long as
     the block runs."""
     watchers = [
-        asyncio.create_task(lifecycle.watch(service)),
+        asyncio.create_task(server_state.watch(service)),
         asyncio.create_task(service.watch_loop_lag()),
     ]
     try:
@@ -84,7 +85,7 @@ async def _watched(service: Service, lifecycle: Lifecycle) -> AsyncIterator[None
         for task in watchers:
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
-        lifecycle.close()
+        server_state.close()
 
 
 async def prepare_start(settings: Settings, weights: str | None = None) -> Settings:

@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
+from shared.engine.contract import Engine, SamplingRequest
 from shared.engine.presets import apply_preset
-from shared.engine.vllm import Engine, SamplingRequest, open_engine
+from shared.engine.vllm import open_engine
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 

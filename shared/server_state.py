@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
 from shared.errors import SHUT_DOWN_MID_GENERATION, SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ ENGINE_DEAD_LINGER_S = 2.0
 ExitRequest = Callable[[int], None]
 
 
-class Lifecycle:
+class ServerState:
     SERVING, DRAINING, ENGINE_DEAD = "serving", "draining", "engine_dead"
 
     def __init__(self, shutdown_grace_s: float, request_exit: ExitRequest | None = None) -> None:
@@ -117,9 +117,9 @@ class GuardedEngine:
     """The engine as the service sees it: a failure while the server drains is reported as the
     shutdown it is, and a dead engine counts no running requests (its own count is frozen)."""
 
-    def __init__(self, engine: Engine, lifecycle: Lifecycle) -> None:
+    def __init__(self, engine: Engine, server_state: ServerState) -> None:
         self._engine = engine
-        self._lifecycle = lifecycle
+        self._server_state = server_state
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (info, tokenize, render_chat, whatever the engine grows) passes through.
@@ -131,7 +131,7 @@ class GuardedEngine:
                 yield delta
         except EngineUnavailable as exc:
             await asyncio.sleep(SIGNAL_SETTLE_S)
-            if self._lifecycle.state == Lifecycle.DRAINING:
+            if self._server_state.state == ServerState.DRAINING:
                 raise ShuttingDown(SHUT_DOWN_MID_GENERATION) from exc
             raise
 

@@ -20,12 +20,9 @@ from contextlib import AbstractContextManager
 
 import orjson
 
-from shared.engine.choices import Choices
+from shared.engine.contract import Engine, EngineDelta, OutputConstraint, SamplingRequest
 from shared.engine.lora import Adapters
 from shared.engine.stats_file import publish_engine_stats
-from shared.engine.structured import OutputConstraint, response_constraint
-from shared.engine.tools import check_tool_schemas, forced_constraint, shaper_for
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
 from shared.errors import (
     BundleError,
     Cancelled,
@@ -46,6 +43,9 @@ from shared.obs.loop_lag import watch_loop_lag
 from shared.obs.metrics import Metrics
 from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.settings import Settings
+from shared.shaping.choices import Choices
+from shared.shaping.structured import response_constraint
+from shared.shaping.tools import check_tool_schemas, forced_constraint, shaper_for
 from shared.streaming import ChunkEncoder, Kind
 
 __all__ = ["CancelOutcome", "Service", "Subscription"]
@@ -599,7 +599,7 @@ class Service:
         )
 
     def _choices(self, kind: Kind, body: OpenAIRequest) -> Choices | None:
-        """The slow output path, only for requests that need it (see shared/engine/choices.py)."""
+        """The slow output path, only for requests that need it (see shared/shaping/choices.py)."""
         with_logprobs = body.top_logprobs_count is not None
         tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
         if body.n == 1 and not with_logprobs and not tools:

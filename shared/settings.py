@@ -4,14 +4,15 @@ Each field maps to an environment variable with the ``BUNDLE_`` prefix (``model`
 ``BUNDLE_MODEL``). Tests and wrappers build ``Settings(...)`` with keyword overrides instead of
 touching ``os.environ``.
 
-Sections. The fields are grouped by what they govern, one small class per group (``Engine``,
-``Limits``, ``Identity``, ...), and ``Settings`` inherits them all. The result is still one flat
-object: ``settings.max_num_seqs``, ``BUNDLE_MAX_NUM_SEQS``, ``model_fields_set`` and
-``model_copy(update=...)`` work as before. Nested models (``settings.engine.max_num_seqs``) were
-not chosen: pydantic-settings would name their variables ``BUNDLE_ENGINE__MAX_NUM_SEQS`` unless
-each field carried an alias, every reader across the code would change, and "was this set
-explicitly?" (presets, ``deploy_env``) would have to walk several ``model_fields_set``. A field
-added outside a section is caught by tests/test_settings.py.
+Sections. The fields are grouped by what they govern, one small class per group (``EngineSection``,
+``LimitsSection``, ``IdentitySection``, ...; the suffix keeps them apart from the engine protocol,
+the identity protocol and the like), and ``Settings`` inherits them all. The result is still one
+flat object: ``settings.max_num_seqs``, ``BUNDLE_MAX_NUM_SEQS``, ``model_fields_set`` and
+``model_copy(update=...)`` work as before. Nested models (``settings.engine.max_num_seqs``) were not
+chosen: pydantic-settings would name their variables ``BUNDLE_ENGINE__MAX_NUM_SEQS`` unless each
+field carried an alias, every reader across the code would change, and "was this set explicitly?"
+(presets, ``deploy_env``) would have to walk several ``model_fields_set``. A field added outside a
+section is caught by tests/test_settings.py.
 
 Units. Every duration's name ends in its unit, and the unit is seconds (``_s``, floats), except:
 
@@ -34,7 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, PositiveInt, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/engine/tiny_model.py
+TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/models/tiny_model.py
 # The dtypes vLLM's engine takes (its `ModelDType`): a typo is refused when the settings load,
 # not minutes later when the engine starts.
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
@@ -48,7 +49,7 @@ class Section(BaseModel):
     """A group of settings. Only `Settings`, which inherits every section, is ever built."""
 
 
-class ServedModel(Section):
+class ServedModelSection(Section):
     """What is served, and where local files go."""
 
     model: str = Field(
@@ -98,7 +99,7 @@ class ServedModel(Section):
         return self.model == TINY_MODEL
 
 
-class Engine(Section):
+class EngineSection(Section):
     """vLLM's engine arguments (AsyncEngineArgs); unset means vLLM's own default."""
 
     preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
@@ -169,7 +170,7 @@ class Engine(Section):
         return value or None
 
 
-class Outputs(Section):
+class OutputsSection(Section):
     """How OpenAI's structured output and tool calls map onto vLLM."""
 
     compact_json: bool = Field(
@@ -182,7 +183,7 @@ class Outputs(Section):
     )
 
 
-class Lifecycle(Section):
+class LifecycleSection(Section):
     """Sleep mode (GPU memory snapshots), shutdown, and the garbage collector while serving."""
 
     sleep_mode: bool = Field(
@@ -221,7 +222,7 @@ class Lifecycle(Section):
     )
 
 
-class Lora(Section):
+class LoraSection(Section):
     """LoRA adapters (shared/engine/lora.py)."""
 
     enable_lora: bool = Field(
@@ -271,7 +272,7 @@ class Lora(Section):
         return {name.strip(): source.strip() for name, _, source in pairs}
 
 
-class Server(Section):
+class ServerSection(Section):
     """The HTTP listener, its key, and its bounds on hostile clients (shared/http/limits.py)."""
 
     api_key: SecretStr | None = Field(
@@ -303,7 +304,7 @@ class Server(Section):
     )
 
 
-class Limits(Section):
+class LimitsSection(Section):
     """What one request may ask for, and how many run at once."""
 
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask.")
@@ -318,7 +319,7 @@ class Limits(Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Upper bound on one generation, in seconds.")
 
 
-class Identity(Section):
+class IdentitySection(Section):
     """Request identity (X-Request-Id): de-duplication, replay, resume and disconnects."""
 
     disconnect_grace_s: float = Field(
@@ -367,7 +368,7 @@ class Identity(Section):
         return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
 
-class Streaming(Section):
+class StreamingSection(Section):
     """How tokens reach a streaming client, in how many events and writes."""
 
     stream_interval: int | None = Field(
@@ -405,7 +406,7 @@ class Streaming(Section):
     )
 
 
-class Observability(Section):
+class ObservabilitySection(Section):
     """Logs and the engine stats file."""
 
     log_level: str = Field("info", description="Level of uvicorn's and the bundle's own logs.")
@@ -424,16 +425,16 @@ class Observability(Section):
 
 
 class Settings(
-    ServedModel,
-    Engine,
-    Outputs,
-    Lifecycle,
-    Lora,
-    Server,
-    Limits,
-    Identity,
-    Streaming,
-    Observability,
+    ServedModelSection,
+    EngineSection,
+    OutputsSection,
+    LifecycleSection,
+    LoraSection,
+    ServerSection,
+    LimitsSection,
+    IdentitySection,
+    StreamingSection,
+    ObservabilitySection,
     BaseSettings,
 ):
     """Every section above, read from BUNDLE_* variables. Add a field to its section, not here."""

@@ -3,7 +3,7 @@
 Chunks are built from byte templates made once per generation: per token we only encode the
 new text. This is the hot path of the server (one call per token per generation), so it stays
 free of dicts and model objects. Requests that ask for more (n > 1, logprobs, tools) take the
-slower `choice_chunk` path, built by `shared.engine.choices` from a dict per choice.
+slower `choice_chunk` path, built by `shared.shaping.choices` from a dict per choice.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import httpx
 import pytest
 import uvicorn
 
-from shared.engine.vllm import Engine, open_engine
+from shared.engine.contract import Engine
+from shared.engine.vllm import open_engine
 from shared.http.api import create_app
 from shared.service import Service
 from shared.settings import Settings

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from shared.engine.vllm import Engine, EngineDelta, EngineInfo, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, EngineInfo, SamplingRequest
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 from tests.scripted import RefusesExtras

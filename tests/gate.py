@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
 
 POLL_S = 0.01  # how often a held generation looks for its release, and a test for the hold
 THAW_TIMEOUT_S = 60.0  # resuming a paused engine takes milliseconds; this only stops a hang

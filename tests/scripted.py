@@ -10,9 +10,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from shared.engine.contract import Engine, EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
 from shared.engine.lora import Adapter
-from shared.engine.structured import OutputConstraint
-from shared.engine.vllm import Engine, EngineDelta, EngineInfo, SamplingRequest
 from shared.errors import InvalidRequest
 
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import orjson
 
-from shared.engine.vllm import Engine, EngineDelta, SamplingRequest, open_engine
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
+from shared.engine.vllm import open_engine
 from shared.settings import Settings
 
 GATE_VARIABLE = "TAKEOVER_GATE"

@@ -502,7 +502,7 @@ def test_the_first_wave_of_a_level_is_reported_apart_from_the_later_requests() -
 
 def test_stepped_engine_hands_out_tokens_as_vllms_stream_interval_does() -> None:
     from bench.stepped import SteppedEngine
-    from shared.engine.vllm import SamplingRequest
+    from shared.engine.contract import SamplingRequest
 
     async def counts(interval: int | None) -> list[int]:
         engine = SteppedEngine(step_s=0.001)
@@ -659,7 +659,7 @@ def test_cpu_by_process_is_reported_per_token_and_tabled_with_the_busiest_api_pr
 
 
 def test_the_1b_shape_is_llama_3_2_1bs_config_only(tmp_path: Path) -> None:
-    from shared.engine.tiny_model import ensure_model
+    from shared.models.tiny_model import ensure_model
 
     built = ensure_model(tmp_path, "llama3-1b")
     config = orjson.loads((built / "config.json").read_bytes())

@@ -1,7 +1,7 @@
 """COG_WEIGHTS as Replicate uses it: a URL of a .tar of the model, fetched and unpacked at setup.
 
 A real HTTP server (http.server in a thread) serves tars of the tiny model, once with Range
-support and once without; shared/engine/weights.py downloads them with its real httpx client. Failures
+support and once without; shared/models/weights.py downloads them with its real httpx client. Failures
 (404, truncated or corrupt archive, a member leading out, a full disk) must each be one
 `WeightsUnavailable` that names the URL and what went wrong.
 """
@@ -23,9 +23,9 @@ import cog_bridge as bridge
 import httpx
 import pytest
 
-from shared.engine import weights
 from shared.engine.vllm import resolve_model_path
 from shared.errors import WeightsUnavailable
+from shared.models import weights
 from shared.settings import Settings
 
 SMALL_PART = 256 * 1024  # the tiny model's tar is a few MB: several parts of it

@@ -4,9 +4,11 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
-  protocol, streaming) < obs < engine and cache < identity < the assembly (service, lifecycle,
-  server_state, and any other top-level module) < responses (the Responses API, built on the
-  service) < http < the entry point (serve);
+  protocol, streaming, redis_client) < obs < models and cache (fetching and building model files,
+  the compile-cache pack) < engine (its contract and the vLLM adapter) < shaping (OpenAI output
+  shaping on the contract) < identity < the assembly (service, lifecycle, server_state, and any
+  other top-level module) < responses (the Responses API, built on the service) < http < the entry
+  point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
 - bundle_client imports nothing from shared (it is shipped to users without the server).
 """
@@ -17,29 +19,33 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming"}
+FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming", "shared.redis_client"}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
 # shared.procs (several API processes) runs the http layer's server in each of them.
 LAYER_OF_PACKAGE = {
     "shared.obs": 1,
+    "shared.models": 2,
     "shared.cache": 2,  # used by the engine's start, uses only the foundation
-    "shared.engine": 2,
-    "shared.identity": 3,
-    "shared.responses": 5,
-    "shared.http": 6,
-    "shared.procs": 6,
+    "shared.engine": 3,
+    "shared.shaping": 4,
+    "shared.identity": 5,
+    "shared.responses": 7,
+    "shared.http": 8,
+    "shared.procs": 8,
 }
-ASSEMBLY, TOP = 4, 7
+ASSEMBLY, TOP = 6, 9
 NAMES = {
     0: "foundation",
     1: "obs",
-    2: "engine",
-    3: "identity",
-    4: "assembly",
-    5: "responses",
-    6: "http",
-    7: "entry",
+    2: "models",
+    3: "engine",
+    4: "shaping",
+    5: "identity",
+    6: "assembly",
+    7: "responses",
+    8: "http",
+    9: "entry",
 }
 
 
@@ -123,7 +129,10 @@ def test_graph_is_read() -> None:
     """The graph sees the imports it should: a broken reader would make every rule below pass."""
     edges = graph()
     assert len(edges) > 40
-    assert "shared.engine.vllm" in edges["shared.service"]
+    assert "shared.engine.contract" in edges["shared.service"]
+    assert "shared.engine.vllm" in edges["shared.assembly"]
+    assert "shared.engine.contract" in edges["shared.shaping.choices"]
+    assert "shared.models.tiny_model" in edges["shared.engine.vllm"]
     assert "shared.http.api" in edges["shared.serve"]
     assert "cog_bridge" in edges["predict"]
     assert "bundle_client.sse" in edges["bundle_client.client"]
@@ -136,7 +145,7 @@ def test_every_package_of_shared_has_a_layer() -> None:
         ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "shared").glob("*/__init__.py")
     }
     assert packages == set(LAYER_OF_PACKAGE)
-    assert layer("shared.responses.manager") == 5
+    assert layer("shared.responses.manager") == 7
 
 
 def test_no_import_cycles() -> None:

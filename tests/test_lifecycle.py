@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from shared.engine.vllm import Engine, EngineInfo, SamplingRequest, VLLMEngine
+from shared.engine.contract import Engine, EngineInfo, SamplingRequest
+from shared.engine.vllm import VLLMEngine
 from shared.errors import EngineUnavailable
 from shared.lifecycle import SAMPLER_TRITON_MIN_ROWS, EngineLifecycle, first_token, warm_up
 from shared.settings import Settings

@@ -3,7 +3,7 @@ server and the official openai SDK.
 
 The session's shared engine (tests/conftest.py) runs without LoRA, so this module starts one
 engine of its own with `enable_lora`, small enough for the 2-core box. Its adapters are random
-PEFT adapters built by `shared.engine.random_adapter`: "alpha" is loaded at start (BUNDLE_LORA_MODULES),
+PEFT adapters built by `shared.models.random_adapter`: "alpha" is loaded at start (BUNDLE_LORA_MODULES),
 the others at runtime through POST /v1/load_lora_adapter.
 """
 
@@ -27,8 +27,8 @@ import pytest
 from cog_bridge import chat_request_from_inputs, with_adapter
 
 from shared.engine.lora import COG_PREFIX
-from shared.engine.random_adapter import write_adapter
 from shared.engine.vllm import resolve_model_path
+from shared.models.random_adapter import write_adapter
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import WITHOUT_ENGINE, LiveServers, wait_until

@@ -1,7 +1,7 @@
 """Which LoRA adapters load: a base model named unlike the served one is a warning, only what
 cannot load is refused. On the real engine (vLLM's CPU build, the tiny model), through the real
 HTTP server and the official openai SDK; adapters are random PEFT adapters
-(`shared.engine.random_adapter`), loaded at start (BUNDLE_LORA_MODULES) and at runtime.
+(`shared.models.random_adapter`), loaded at start (BUNDLE_LORA_MODULES) and at runtime.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from shared.engine.lora import base_warning, load_static, same_model, served_model_names
-from shared.engine.random_adapter import write_adapter
 from shared.engine.vllm import open_engine, resolve_model_path
 from shared.errors import InvalidRequest
+from shared.models.random_adapter import write_adapter
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import WITHOUT_ENGINE, LiveServers

@@ -26,7 +26,7 @@ import pytest
 
 from shared import lifecycle as engine_lifecycle
 from shared.assembly import start_service
-from shared.engine.vllm import Engine
+from shared.engine.contract import Engine
 from shared.identity.interface import Subscription
 from shared.lifecycle import EngineLifecycle
 from shared.protocol import ChatCompletionRequest

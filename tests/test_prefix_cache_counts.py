@@ -7,8 +7,8 @@ import random
 
 import httpx
 
+from shared.engine.contract import PrefixCacheCounts
 from shared.engine.stats_file import engine_snapshot
-from shared.engine.vllm import PrefixCacheCounts
 from shared.service import Service
 
 

@@ -99,7 +99,7 @@ def test_streams_run_through_the_grace_then_end_with_a_shutdown_event(
             short_one.wait_held()
 
             async def signal_arrives() -> None:  # what shared.http.process does on SIGTERM
-                app.state.lifecycle.begin_shutdown(app.state.service)
+                app.state.server_state.begin_shutdown(app.state.service)
 
             # The clock starts before the signal: its grace timer starts inside the call, and
             # a clock read after the call returned ran behind the timer (0.9995 s measured once).

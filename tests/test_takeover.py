@@ -37,7 +37,7 @@ import pytest
 
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
-from shared.engine.vllm import SamplingRequest
+from shared.engine.contract import SamplingRequest
 from shared.identity.store import PRODUCER_LOST_BOUND_S, IdentityStore, replica_key
 from shared.identity.takeover import Recipe, plan, read_log
 from shared.obs.metrics import Metrics

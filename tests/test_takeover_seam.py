@@ -13,12 +13,13 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
-from shared.engine.tiny_model import ensure_model
-from shared.engine.vllm import EngineDelta, VLLMEngine
+from shared.engine.contract import EngineDelta
+from shared.engine.vllm import VLLMEngine
 from shared.errors import ProducerLost
 from shared.identity.store import DATA, KEPT, TOKENS
 from shared.identity.takeover import Recipe, after_sent, continuation_seed, plan, read_log
 from shared.identity.tokens import pack_ids
+from shared.models.tiny_model import ensure_model
 from shared.settings import Settings
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import orjson
 import pytest
 
-from shared.engine.vllm import EngineDelta, SamplingRequest
+from shared.engine.contract import EngineDelta, SamplingRequest
 from shared.errors import EngineUnavailable
 from shared.identity.replicas import Replicas
 from shared.identity.store import Claim, replica_key
 from shared.protocol import ChatCompletionRequest, parse_request
-from shared.server_state import GuardedEngine, Lifecycle
+from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
 from shared.settings import Settings
 from tests.redis_server import RedisServer
@@ -231,10 +231,10 @@ class StoppingEngine(ScriptedEngine):
 async def test_an_engine_stopped_by_the_groups_sigterm_hands_its_streams_over(
     redis_server: RedisServer,
 ) -> None:
-    lifecycle = Lifecycle(shutdown_grace_s=30)
+    lifecycle = ServerState(shutdown_grace_s=30)
     a = Service(Settings(redis_url=redis_server.url), GuardedEngine(StoppingEngine(stop_after=5), lifecycle))
     b = replica(redis_server, ScriptedEngine(auto=True))
-    lifecycle.state = Lifecycle.DRAINING  # the signal reached the server as well
+    lifecycle.state = ServerState.DRAINING  # the signal reached the server as well
     head = await read((await a.open("chat", chat(), "group-sigterm", event_ids=True)).events())
     assert b"[DONE]" not in head and b'"error"' not in head  # cut, not ended: it is handed over
     await settle()  # the generation's task ends right after its stream: then its hand-over is queued

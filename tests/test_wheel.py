@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("shared", "bundle_client", "modal_app", "cost_model", "bench")
 # Read by path at run time (pyproject's package-data); each must travel in the wheel.
 DATA_FILES = (
-    "shared/engine/tiny_corpus.txt",
+    "shared/models/tiny_corpus.txt",
     "shared/requirements-deploy.txt",
     "cost_model/data/catalogue.json",
 )
@@ -154,7 +154,7 @@ def test_every_module_imports_from_the_installed_wheel(
         for name in {modules!r}:
             module = importlib.import_module(name)
             assert site in Path(module.__file__).parents, f"{{name}} came from {{module.__file__}}"
-        from shared.engine.tiny_model import _corpus
+        from shared.models.tiny_model import _corpus
         from cost_model.catalogue import load_packaged
         from modal_app.app import PACKAGES
         assert len(_corpus()) > 10 and load_packaged() and PACKAGES

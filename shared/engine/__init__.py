@@ -1,2 +1,3 @@
-"""The engine: the vLLM implementation (`shared.engine.vllm`) and what it needs: presets,
-tool calls and structured output, choices, LoRA adapters, weights, the tiny test model."""
+"""The engine: its contract with the API (`shared.engine.contract`), the vLLM implementation
+(`shared.engine.vllm`, with its feature checks and tool parsers), presets, LoRA adapters and
+the engine's stats file."""

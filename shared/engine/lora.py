@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from shared.engine.lora_sources import CONFIG_NAME, fetch_adapter
-from shared.engine.tiny_model import ensure_model
 from shared.errors import InvalidRequest, ModelNotFound, NotFound
+from shared.models.lora_sources import CONFIG_NAME, fetch_adapter
+from shared.models.tiny_model import ensure_model
 from shared.settings import Settings
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from shared.engine.vllm import Engine, PrefixCacheCounts
+from shared.engine.contract import Engine, PrefixCacheCounts
 
 
 async def publish_engine_stats(engine: Engine, path: Path, interval_s: float) -> None:

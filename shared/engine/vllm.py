@@ -1,4 +1,4 @@
-"""The seam between the API and the model: a small protocol, and its implementation on vLLM.
+"""The engine contract (`shared.engine.contract`) implemented on vLLM.
 
 The API only ever sees `Engine`. The vLLM implementation runs `AsyncLLM` in-process (its
 engine core in a child process, its output handler on our event loop), so a token travels from
@@ -15,16 +15,21 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from shared.cache.layout import point_caches_at
 from shared.cache.start import use_compile_caches
+from shared.engine.contract import (
+    EngineDelta,
+    EngineInfo,
+    OutputConstraint,
+    PrefixCacheCounts,
+    SamplingRequest,
+    TokenLogprob,
+    ToolCallShaper,
+)
 from shared.engine.presets import apply_preset
-from shared.engine.structured import OutputConstraint
-from shared.engine.tiny_model import ensure_model
-from shared.engine.tools import ToolCallShaper
 from shared.engine.vllm_features import (
     EngineFeatures,
     client_error_classes,
@@ -34,6 +39,7 @@ from shared.engine.vllm_features import (
     xgrammar_validator,
 )
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
+from shared.models.tiny_model import ensure_model
 from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Dtype, Settings
 
@@ -41,142 +47,6 @@ if TYPE_CHECKING:
     from shared.engine.lora import Adapter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingRequest:
-    """What the engine needs for one generation, already validated and tokenized."""
-
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None  # alternatives per token; None: no logprobs
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    constraint: OutputConstraint | None = None  # structured output (JSON schema or object)
-    # Tokens per output after the first (the first and the last come at once); None: the
-    # engine's own interval. Only an engine with `paces_each_request` honours it.
-    stream_interval: int | None = None
-    adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (lora.py); None: the base
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's logprob and its most likely alternatives (best first)."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()
-
-
-# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (1.7 us
-# here against 0.25 for this one), once per token per stream; nothing writes to a delta.
-@dataclass(slots=True)
-class EngineDelta:
-    """New output of one choice since its previous delta (treat it as read-only)."""
-
-    text: str
-    token_count: int
-    finish_reason: str | None = None
-    index: int = 0  # which of the request's n choices
-    token_ids: Sequence[int] = ()
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass
-class PrefixCacheCounts:
-    """Prompt tokens the engine looked up in its prefix cache, and those it found there.
-
-    Summed from vLLM's own per-request count (`RequestOutput.num_cached_tokens`, set by its
-    scheduler when it first schedules the request), which needs no stat logging: the engine's
-    flags stay those of a server run with `--disable-log-stats`, on vLLM 0.26 and 0.32 alike.
-    """
-
-    queries: int = 0
-    hits: int = 0
-
-    def record(self, prompt_tokens: int, cached_tokens: int | None) -> None:
-        self.queries += prompt_tokens
-        self.hits += cached_tokens or 0
-
-
-@dataclass
-class EngineInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int = 0  # 0: unknown, token-id prompts are then checked by the engine alone
-
-
-class Engine(Protocol):
-    """What the API needs from a model server; `tests/fakes.py` has a fault-injecting twin."""
-
-    info: EngineInfo
-    # Whether `SamplingRequest.stream_interval` is honoured (vLLM's per-request interval).
-    paces_each_request: bool
-
-    def tokenize(self, prompt: str) -> list[int]: ...
-
-    def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-    ) -> list[int]: ...
-
-    def tool_parser(self, tools: Sequence[dict[str, Any]]) -> ToolCallShaper:
-        """A fresh parser of one choice's output into tool calls (`tool_choice` "auto")."""
-        ...
-
-    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
-        """Raise InvalidRequest (about `param`) unless the engine can enforce this output format.
-        Asked at admission for constrained requests only: a valid schema that the engine's grammar
-        backend cannot compile is the client's 400, before any 200 and never a 500."""
-        ...
-
-    def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
-        """Yield deltas until finished. Cancelling the iteration aborts the engine request."""
-        ...
-
-    def healthy(self) -> bool:
-        """Whether the engine can serve. Cheap, never blocks, safe from any thread: health
-        probes (Cog's run in a thread pool) must not queue behind a busy event loop."""
-        ...
-
-    def running_requests(self) -> int:
-        """Requests the engine itself holds right now (the ground truth for leak checks)."""
-        ...
-
-    def ready(self) -> bool:
-        """Alive and awake: what `/health` reports. `healthy()` stays pure liveness, so a
-        sleeping engine is not mistaken for a dead one."""
-        ...
-
-    async def sleep(self) -> None:
-        """Free the accelerator (weights offloaded, KV cache dropped) until `wake_up`; requests
-        that arrive meanwhile wait for the wake-up. A no-op where the platform has no sleep mode."""
-        ...
-
-    async def wake_up(self) -> None:
-        """Undo `sleep`; raises if the engine cannot come back (the caller must not serve then)."""
-        ...
-
-    async def add_adapter(self, adapter: Adapter) -> None:
-        """Load a LoRA adapter for requests that name it; InvalidRequest if it does not fit."""
-        ...
-
-    async def remove_adapter(self, adapter: Adapter) -> None:
-        """Drop an adapter once the requests running on it have ended."""
-        ...
 
 
 class VLLMEngine:
@@ -350,7 +220,7 @@ class VLLMEngine:
         exactly zero, and no row has index -1. The GPU kernels skip index -1, so GPUs never do this."""
         from vllm.lora.request import LoRARequest
 
-        from shared.engine.random_adapter import write_adapter
+        from shared.models.random_adapter import write_adapter
 
         config = self._llm.model_config.hf_config.to_dict()
         path = write_adapter(directory, config, rank=1, scale=0.0, base=None)

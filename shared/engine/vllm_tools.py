@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.engine.tools import ToolDelta, call_more, call_start
+from shared.engine.contract import ToolDelta, call_more, call_start
 from shared.errors import InvalidRequest
 
 if TYPE_CHECKING:

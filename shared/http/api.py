@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.assembly import EngineFactory, start_service
-from shared.engine.vllm import Engine, open_engine
+from shared.engine.contract import Engine
+from shared.engine.vllm import open_engine
 from shared.errors import (
     BundleError,
     Cancelled,
@@ -52,7 +53,7 @@ from shared.protocol import (
     parse_request,
 )
 from shared.responses.manager import Responses
-from shared.server_state import ExitRequest, Lifecycle
+from shared.server_state import ExitRequest, ServerState
 from shared.settings import Settings
 from shared.streaming import Kind
 
@@ -72,12 +73,14 @@ def create_app(
     `request_exit(code)` is called when the engine has died and the in-flight streams have been
     told: the server should then exit with that code (see shared/server_state.py)."""
     settings = settings or Settings()
-    lifecycle = Lifecycle(settings.shutdown_grace_s, request_exit)
+    server_state = ServerState(settings.shutdown_grace_s, request_exit)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The one assembly (shared/assembly.py): engine, warm-up, guard, watchdog, loop lag.
-        assembled = start_service(settings, engine=engine, engine_factory=engine_factory, lifecycle=lifecycle)
+        assembled = start_service(
+            settings, engine=engine, engine_factory=engine_factory, server_state=server_state
+        )
         async with assembled as service:
             app.state.service = service
             app.state.responses = Responses(service)
@@ -88,7 +91,7 @@ def create_app(
 
     app = BundleApp(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
-    app.state.lifecycle = lifecycle
+    app.state.server_state = server_state
     _install_error_handlers(app)
     _add_routes(app, settings)
     if settings.api_key is not None:

@@ -1,7 +1,7 @@
 """One server process: uvicorn with the bundle's bounds, a bounded drain, and an honest exit code.
 
 - SIGTERM/SIGINT: uvicorn closes the listening socket at once (new connections are refused) and
-  waits for open responses; the app's `Lifecycle` starts its grace timer at the same moment, so
+  waits for open responses; the app's `ServerState` starts its grace timer at the same moment, so
   streams still running at `shutdown_grace_s` end with a "server shutting down" error event
   instead of being cut by the platform's kill. Once the drain and the engine's stop are over the
   process exits 0: the drain it was asked for is done. (uvicorn would raise the signal again at
@@ -47,7 +47,7 @@ def run_server(
     def on_signal() -> None:
         service = getattr(app.state, "service", None)
         if service is not None:  # None: still starting, nothing to drain
-            app.state.lifecycle.begin_shutdown(service)
+            app.state.server_state.begin_shutdown(service)
 
     app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
     config = uvicorn.Config(

@@ -35,7 +35,7 @@ def service_of(request: Request) -> Service:
 def check_admission(request: Request) -> None:
     """New generations only while serving with a live engine: 503 before any 200 is sent."""
     service = service_of(request)
-    request.app.state.lifecycle.check_admission()
+    request.app.state.server_state.check_admission()
     if not service.healthy():
         raise EngineUnavailable("the engine is not running")
 

@@ -14,11 +14,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from shared.engine.choices import Choices
-from shared.engine.vllm import EngineDelta
+from shared.engine.contract import EngineDelta
 from shared.errors import BundleError, GenerationFailed, ShuttingDown, abort_error
 from shared.identity.replay import EventLog, Notifier
 from shared.obs.metrics import Metrics
+from shared.shaping.choices import Choices
 from shared.streaming import DONE_DATA, ChunkEncoder, Usage, error_data
 
 log = logging.getLogger(__name__)

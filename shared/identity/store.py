@@ -33,13 +33,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from shared.errors import StoreUnavailable
 from shared.obs.metrics import Metrics
+from shared.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +50,11 @@ RUNNING = "running"
 # block, the next one checks and ends within another: PRODUCER_LOST_BOUND_S.
 HEARTBEAT_EVERY_S = 1.0
 HEARTBEAT_TTL_S = 3.0
-READ_BLOCK_MS = 1000
+READ_BLOCK_MS = 1000  # below the client's socket timeout (shared/redis_client.py)
 CHECK_EVERY_S = 1.0
 PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 5 s
 FOLLOW_TTL_S = 3.0  # a follower that stopped refreshing no longer holds the generation open
 RECONNECT_S = 0.5  # pause between attempts of the background loops while the store is down
-# Above the longest blocking read, so a slow answer is not mistaken for a dead server.
-SOCKET_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -236,14 +232,7 @@ class IdentityStore:
     def __init__(self, url: str, replica_id: str, metrics: Metrics) -> None:
         self.replica_id = replica_id
         self.metrics = metrics
-        # One retry without back-off: it replaces a pooled connection that died with a restarted
-        # server, and fails fast (503) while the server is down.
-        self.client = Redis.from_url(
-            url,
-            retry=Retry(NoBackoff(), 1),
-            socket_connect_timeout=1.0,
-            socket_timeout=SOCKET_TIMEOUT_S,
-        )
+        self.client = redis_client(url)  # timeouts and retry: shared/redis_client.py
         self._tasks: list[asyncio.Task[None]] = []
         self._scripts = {
             script: hashlib.sha1(script.encode()).hexdigest() for script in (APPEND_SCRIPT, TAKE_SCRIPT)

@@ -30,7 +30,7 @@ from shared.identity.tokens import unpack_ids
 from shared.streaming import DONE_DATA
 
 if TYPE_CHECKING:
-    from shared.engine.vllm import EngineDelta, SamplingRequest
+    from shared.engine.contract import EngineDelta, SamplingRequest
 
 # What a decoder gives for each id: its new text, or None while it ends inside a character.
 DecodeSteps = Sequence[str | None]

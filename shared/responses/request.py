@@ -29,7 +29,9 @@ class _Strict(BaseModel):
 StrictModel = TypeVar("StrictModel", bound=_Strict)
 
 
-class TextPart(_Strict):
+class InputTextPart(_Strict):
+    """A text part of an input message (the chat API's own is `shared.protocol.TextPart`)."""
+
     type: Literal["input_text", "output_text", "text"]
     text: str
     # Output_text parts echoed back by clients (the Agents SDK sends a whole turn's output as the
@@ -41,7 +43,7 @@ class TextPart(_Strict):
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[InputTextPart]
     id: str | None = None
     status: str | None = None
 
@@ -258,14 +260,14 @@ def _checked_item(index: int, item: Any) -> _Strict:
     return _validated(ITEM_KINDS[kind], item, f"input.{index}")
 
 
-def _checked_part(index: int, part_index: int, part: Any) -> TextPart:
+def _checked_part(index: int, part_index: int, part: Any) -> InputTextPart:
     part_kind = part.get("type") if isinstance(part, dict) else None
     if part_kind in UNSUPPORTED_PARTS:
         raise _unsupported(
             f"input.{index}.content.{part_index}.type",
             f"content of type {part_kind!r} is not supported: the model reads text only",
         )
-    return _validated(TextPart, part, f"input.{index}.content.{part_index}")
+    return _validated(InputTextPart, part, f"input.{index}.content.{part_index}")
 
 
 def _validated(kind: type[StrictModel], value: Any, where: str) -> StrictModel:

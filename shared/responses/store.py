@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import orjson
 
 from shared.errors import EventsGone, NotFound, StoreUnavailable
+from shared.redis_client import redis_client
 from shared.settings import Settings
 
 Record = dict[str, Any]
@@ -135,11 +136,9 @@ class RedisStore:
     """Records in the Redis/Valkey server the replicas share: any replica reads any response."""
 
     def __init__(self, settings: Settings) -> None:
-        import redis.asyncio as redis  # imported only when a store is configured
-
         assert settings.redis_url is not None
         self._settings = settings
-        self._redis = redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=5.0)
+        self._redis = redis_client(settings.redis_url.get_secret_value())  # imports redis-py only now
         self._ttl_ms = max(int(settings.responses_retention_s * 1000), 1)
 
     async def get(self, response_id: str) -> Record | None:

@@ -9,19 +9,12 @@ parameters; everything here is vLLM-free.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from shared.engine.contract import OutputConstraint
 from shared.errors import InvalidRequest
 
 MAX_SCHEMA_BYTES = 64 * 1024  # far above real tool/response schemas; bounds grammar compile time
-
-
-@dataclass(frozen=True)
-class OutputConstraint:
-    """A JSON schema the output must validate against, or (schema None) any JSON object."""
-
-    json_schema: Mapping[str, Any] | None = None
 
 
 def check_json_schema(schema: Mapping[str, Any], param: str) -> None:

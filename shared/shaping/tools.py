@@ -15,48 +15,13 @@ buffer: attach, replay and resume get the same ids and the same bytes.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from shared.engine.structured import OutputConstraint, check_json_schema
+from shared.engine.contract import OutputConstraint, ToolCallShaper, ToolDelta, call_more, call_start
+from shared.shaping.structured import check_json_schema
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-@dataclass
-class ToolDelta:
-    """What one piece of output becomes: plain content and/or tool-call deltas."""
-
-    content: str | None = None
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-
-class ToolCallShaper(Protocol):
-    def feed(self, text: str, token_ids: Sequence[int]) -> ToolDelta: ...
-
-    def finish(self) -> ToolDelta:
-        """The rest, when the choice ends (calls that could only be parsed whole)."""
-        ...
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def call_start(index: int, name: str, arguments: str) -> dict[str, Any]:
-    """The first delta of a call: id, type and name, and arguments so far."""
-    return {
-        "index": index,
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-
-
-def call_more(index: int, arguments: str) -> dict[str, Any]:
-    return {"index": index, "function": {"arguments": arguments}}
 
 
 def parameters_of(tool: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Each source ends as a local directory holding `adapter_config.json` and the weig
 what vLLM loads. Fetching is blocking (disk, network): callers run it in a thread. Every failure
 is an `InvalidRequest` naming the source, so a bad adapter is the client's 400, never a 500.
 
-TODO: shared/engine/weights.py fetches COG_WEIGHTS tars (parallel ranged parts, disk checks, a
+TODO: shared/models/weights.py fetches COG_WEIGHTS tars (parallel ranged parts, disk checks, a
 completion marker); the single-stream download and unpack below repeat part of it. Sharing needs
 weights.py to take the folder test (adapter_config.json, not config.json), a size cap and the
 error to raise (a 400 here, a setup failure there).

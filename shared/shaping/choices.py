@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shared.engine.tools import ToolCallShaper
-from shared.engine.vllm import EngineDelta, TokenLogprob
+from shared.engine.contract import EngineDelta, TokenLogprob, ToolCallShaper
 from shared.streaming import ChunkEncoder, Kind
 
 
