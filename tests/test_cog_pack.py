@@ -23,7 +23,7 @@ import httpx
 
 from shared.cache.layout import ROOT_NAME
 from shared.cache.manifest import MANIFEST_NAME
-from shared.engine import weights
+from shared.models import weights
 
 from .test_cog import running_cog_server
 from .test_cog_weights import Served, make_tar, served, tiny_model  # noqa: F401  (fixtures)
