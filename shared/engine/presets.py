@@ -44,11 +44,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# No preset sets BUNDLE_API_PROCESSES (several API processes on one engine core, shared/procs/)
-# until the H200 has measured it (`bash bench/gpu.sh procs-1b`, `procs-1b-n`, `procs-8b`):
-# - about 1B (Llama-3.2-1B shape): more than one is the point (one process was the ceiling, at
-#   0.86x raw's tok/s, issue 39); which N is to be measured;
-# - 8B: one, until `procs-8b` shows that 4 cost nothing (one kept raw's tok/s at 256 streams);
+# No preset sets BUNDLE_API_PROCESSES (several API processes on one engine core, shared/procs/);
+# choose it by model size. Measured on the H200 (vLLM 0.26.0 GPU build, 2026-12-02,
+# results/h200/procs-1b and procs-8b):
+# - about 1B (Llama-3.2-1B shape): 4. With 4, 1.06 / 1.18x raw's tok/s at 256 / 512 streams,
+#   where one process was the ceiling at 0.80 / 0.71x;
+# - between 1B and 8B: not measured;
+# - 8B: 1. Four gave 1.00x of one at 1, 64 and 256 streams: no gain, and more CPU per token;
 # - larger: one (not measured): fewer tokens per second per GPU, less work for the API process.
 # docs/performance.md, "Which N for which model", keeps the same table.
 
