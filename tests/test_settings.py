@@ -50,7 +50,7 @@ MILLISECOND_FIELDS = frozenset({"redis_write_window_ms", "stream_coalesce_ms"})
 # Words that make a field a duration; such a field must say its unit in its name.
 DURATION_WORDS = ("timeout", "grace", "window", "wait", "retention", "keep_alive", "slow", "coalesce")
 # Read by tests/conftest.py only, not by the bundle.
-TEST_ONLY_VARIABLES = frozenset({"BUNDLE_TESTS_WITHOUT_ENGINE"})
+TEST_ONLY_VARIABLES = frozenset({"BUNDLE_TESTS_WITHOUT_ENGINE", "BUNDLE_TEST_HOSTILE_ROUNDS"})
 # Files that tell users which variables to set.
 DOCUMENTS = ("README.md", "docs/*.md", "cog.yaml", "bench/gpu.sh")
 
