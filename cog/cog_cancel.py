@@ -13,6 +13,8 @@ orchestrator sends the worker `Cancel{slot}`, and the worker acts on what it kno
    (`PyThreadState_SetAsyncExc`) and raised in whatever Python that thread runs next; the
    "cancelled" flag coglet sets is overwritten once it stores the future. Raised after the
    submission, it used to leave run() running with nobody to read or stop what it started.
+   Coglet may also lose it: logged as injected, it is never raised when it lands while the slot
+   thread is in coglet's own code between two calls into Python (measured; docs/cog.md).
 3. Holding the future that `asyncio.run_coroutine_threadsafe` returned: `future.cancel()`. If
    run() is at an await, its task is cancelled there; if run() has returned its generator (or
    returns it before the loop turns to the cancel), the future is done, the cancel does nothing

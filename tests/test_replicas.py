@@ -304,7 +304,7 @@ async def test_followers_on_b_hear_that_replica_a_died(
         url = f"{b.url}/v1/chat/completions"
         followers = [client.stream("POST", url, json=body, headers=headers) for _ in range(2)]
         async with followers[0] as first, followers[1] as second:
-            assert first.status_code == second.status_code == 200
+            assert first.status_code == second.status_code == 200, _why_a_looked_dead(a, redis_server)
             readers = [Reader(first), Reader(second)]
             await asyncio.gather(*(reader.events(2) for reader in readers))
             a.kill()
@@ -317,6 +317,19 @@ async def test_followers_on_b_hear_that_replica_a_died(
     async with httpx.AsyncClient(timeout=60) as client:
         again = await client.post(f"{b.url}/v1/chat/completions", json=body, headers=headers)
     assert again.status_code == 410 and again.json()["error"]["code"] == "producer_lost"
+
+
+def _why_a_looked_dead(a: Replica, redis_server: RedisServer) -> str:
+    """What to read when B found A's heartbeat gone (seen once in CI): how late A's event loop
+    ran, and the end of A's log (a heartbeat error is logged there)."""
+    store = redis.Redis.from_url(redis_server.url)
+    beats = {key.decode(): store.pttl(key) for key in store.keys(replica_key("*"))}
+    store.close()
+    late = metric(a.url, "bundle_event_loop_lag_seconds_count") - metric(
+        a.url, "bundle_event_loop_lag_seconds_bucket", 'le="0.5"'
+    )
+    tail = a.log.read_text(errors="replace")[-4000:]
+    return f"heartbeats (ms left): {beats}; A's loop ran > 0.5 s late {late:.0f} times; A's log ends:\n{tail}"
 
 
 def test_killing_bs_engine_core_ends_its_streams_refuses_new_work_and_exits_non_zero(

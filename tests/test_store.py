@@ -176,6 +176,30 @@ async def test_a_follower_of_an_owner_without_heartbeat_hears_producer_lost(redi
     await store.aclose()
 
 
+async def test_the_heartbeat_outlives_an_unexpected_error(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault the real client cannot be made to raise on demand (a stand-in set() that fails
+    once with something neither RedisError nor OSError): the heartbeat logs it, counts it and
+    beats again, instead of dying and letting followers declare a live replica dead."""
+    store = await live_store(redis_server, "beats-on")
+    real_set = store.client.set
+    failures = []
+
+    async def set_failing_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(args)
+            raise RuntimeError("an unexpected fault")
+        return await real_set(*args, **kwargs)
+
+    await store.client.delete(replica_key("beats-on"))
+    monkeypatch.setattr(store.client, "set", set_failing_once)
+    await until(lambda: bool(failures), 10, "the failing beat")
+    await until(lambda: store.client.exists(replica_key("beats-on")), 10, "the beat after it")
+    assert store.metrics.store_errors.labels("heartbeat")._value.get() == 1
+    await store.aclose()
+
+
 async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is_back(
     redis_server: RedisServer,
 ) -> None:

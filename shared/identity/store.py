@@ -390,9 +390,14 @@ class IdentityStore:
 
     async def _heartbeat(self) -> None:
         while True:
-            with contextlib.suppress(StoreUnavailable):  # counted in /metrics; retried next beat
+            try:
                 async with self._trip("heartbeat"):
                     await self.client.set(replica_key(self.replica_id), b"1", px=_ms(HEARTBEAT_TTL_S))
+            except StoreUnavailable:
+                pass  # counted in /metrics; retried next beat
+            except Exception:  # a dead heartbeat task would declare this live replica dead
+                self.metrics.store_errors.labels("heartbeat").inc()
+                log.exception("heartbeat to the identity store failed unexpectedly; retrying")
             await asyncio.sleep(HEARTBEAT_EVERY_S)
 
     async def _listen(self, on_cancel: Callable[[str], None]) -> None:
@@ -406,6 +411,9 @@ class IdentityStore:
             except (RedisError, OSError) as exc:
                 self.metrics.store_errors.labels("listen").inc()
                 log.debug("cancel channel lost (%s); subscribing again", exc)
+            except Exception:  # a dead listener would leave cancels sent from elsewhere unheard
+                self.metrics.store_errors.labels("listen").inc()
+                log.exception("cancel channel failed unexpectedly; subscribing again")
             await asyncio.sleep(RECONNECT_S)
 
     async def aclose(self) -> None:
