@@ -232,7 +232,11 @@ async def _hostile_round(server: CogServer, log: CoordinatedLog, name: str) -> s
         dropped_by_coglet, injected_by_coglet = log.lost_since_last_look()
         assert len(dropped) <= dropped_by_coglet + injected_by_coglet, (dropped, dropped_by_coglet)
         for prediction in dropped:  # cancelled again: now the runner has it
-            assert await asyncio.to_thread(_cancel, server, prediction) == 200
+            again = await asyncio.to_thread(_cancel, server, prediction)
+            # 404: it ended meanwhile, its first cancel reaching the runner after all (the losses
+            # counted from coglet's log are an upper bound: coglet applies some dropped cancels
+            # again, and not every injection is lost); its webhook must then say "canceled".
+            assert again in (200, 404), again
             assert (await _terminal(hooks, prediction))["status"] == "canceled"
             assert holds.wait_for(prediction, "ended", WITHIN_S) == "aborted"
     slowest = max(left, default=0.0)
