@@ -220,6 +220,32 @@ async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is
     await owner.aclose()
 
 
+async def test_an_end_whose_write_fails_unexpectedly_is_written_on_the_next_flush(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in append that fails once with neither a RedisError nor an OSError (a client fault
+    the real one cannot be made to raise on demand): handled like an outage, the end is kept and
+    written by the next flush instead of being dropped with the flusher task."""
+    owner = await live_store(redis_server, "owner-fault")
+    writer = StreamWriter(owner, max_events=100, retention_s=60, running_ttl_s=60)
+    real_append = owner.append
+    failures: list[object] = []
+
+    async def append_failing_once(batch: Any) -> list[str]:
+        if not failures:
+            failures.append(batch)
+            raise RuntimeError("an unexpected fault")
+        return await real_append(batch)
+
+    monkeypatch.setattr(owner, "append", append_failing_once)
+    writer.append("ends-after-fault", 1, DONE_DATA)
+    writer.finish("ends-after-fault", Claim("fp", "owner-fault", True, state="completed"), None)
+    await until(lambda: bool(failures), 10, "the failing flush")
+    await writer.drain(timeout_s=20)
+    assert await owner.get("ends-after-fault") == Claim("fp", "owner-fault", True, state="completed")
+    await owner.aclose()
+
+
 async def test_a_follower_whose_claim_is_gone_ends_with_a_clear_error(redis_server: RedisServer) -> None:
     """The owner is alive but the claim is gone (expired without its end, or released after a
     refusal): nothing more can come, so the follower says so instead of waiting."""

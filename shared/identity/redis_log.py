@@ -167,7 +167,9 @@ class StreamWriter:
             groups, self._groups = self._groups, {}
             try:
                 lost = await self._store.append(self._batch(groups))
-            except StoreUnavailable:
+            except Exception as error:  # any failure to write is handled as an outage
+                if not isinstance(error, StoreUnavailable):  # a client fault, not a refused connection
+                    log.exception("writing shared streams failed unexpectedly; handled as an outage")
                 # Counted in /metrics; logged once per outage. Followers see the gap in sequence
                 # numbers and say so (a takeover refuses such a log); the owner's own readers get
                 # the events all the same. The ends are kept and written once the store answers:

@@ -219,6 +219,8 @@ class Responses:
                 await self._adopt_once()
             except BundleError as error:  # the store is down: the next round tries again
                 log.debug("adopting background responses: %s", error.message)
+            except Exception:  # a dead loop would leave every later orphan unadopted
+                log.exception("adopting background responses failed unexpectedly; trying again")
 
     async def _adopt_once(self) -> None:
         listed = await self.store.running(ADOPT_BATCH)
