@@ -57,8 +57,14 @@ def identity(service: Service) -> Replicas:
 async def lose_lease(service: Service) -> None:
     """The replica's heartbeat stops and lapses (deleted, to skip the wait); it runs on."""
     replicas = identity(service)
-    for task in replicas.store._tasks:
-        task.cancel()
+    replicas.store._tasks[1].cancel()  # deaf to cancels sent to it from now on
+    # Its beats go to another name; once one has landed there, no beat of the old name is still
+    # in flight (a cancelled one could land after the delete), so the old one stays deleted.
+    lapsed = f"{replicas.replica_id}-lapsed"
+    replicas.store.replica_id = lapsed
+    async with asyncio.timeout(10):
+        while not await replicas.store.client.exists(replica_key(lapsed)):
+            await asyncio.sleep(0.01)
     await replicas.store.client.delete(replica_key(replicas.replica_id))
 
 
