@@ -38,13 +38,15 @@
 #      512 out, ignore_eos), A SIGKILLed once every stream has 128 tokens, every client resumes on B
 #      (Last-Event-ID): kill -> first continued token p50/p99, token counts, event ids
 #      (bench/takeover.py) -> $OUT/takeover/takeover.json + a.log, b.log. .whl/ as for `redis`.
+#      Run at 9307c53 (results/h200/takeover/): ~2 min with a warm compile cache.
 #      Dry run on CPU: python -m bench.takeover --streams 8 --output-tokens 64 --kill-after 16
 #   run("bash bench/gpu.sh open"), ... "think", "interval", "batch", "spread"  # raw + bundle at
 #      256 streams each: open loop at 30/s, closed with random client waits, closed with vLLM's
 #      stream interval 4 for both, closed with BUNDLE_STREAM_BATCH_AT, or closed with output
 #      lengths varied per request (see the stage)
-#   run("bash bench/gpu.sh no-direct"), ... "gc-rare"  # the bundle alone at 256 streams with its
-#      direct writes off, or with full garbage collections ten times rarer: A/Bs to `bundle`
+#   run("bash bench/gpu.sh direct"), ... "no-direct", "gc-rare"  # the bundle alone at 256 streams
+#      with its direct writes on or off, or with full garbage collections ten times rarer: A/Bs to
+#      `bundle` (runs/20: direct writes 4 % less CPU per token, so off by default)
 #   load shape for raw / bundle / vllm, by environment: BENCH_LEVELS=256 (levels), BENCH_RATE=30
 #      (open loop, requests/s), BENCH_THINK=0.025 (closed loop, s a client waits after each end;
 #      BENCH_THINK_RANDOM=1: exponential waits of that mean), BENCH_OUTPUT_SPREAD=0.5 (output
@@ -155,10 +157,12 @@ case "$stage" in
   raw) suite bench$tag --levels "$levels" --targets raw --prefix-caching on --merge ;;  # merge: a pair may write vllm beside it
   bundle) suite bench$tag --levels "$levels" --targets bundle --prefix-caching on --merge ;;
   vllm) suite bench$tag --levels "$levels" --targets vllm_server --prefix-caching on --merge ;;
-  no-direct|gc-rare)  # the bundle alone at 256 streams with one setting changed (~2 min): the A/B
-    # to the plain `bundle` stage of the same lease. Its direct writes off (every event through
-    # ASGI's send), or full garbage collections ten times rarer (BUNDLE_GC_THRESHOLDS).
+  direct|no-direct|gc-rare)  # the bundle alone at 256 streams with one setting set (~2 min): the
+    # A/B to the plain `bundle` stage of the same lease. Direct writes on (off by default since
+    # runs/20) or explicitly off (every event through ASGI's send), or full garbage collections
+    # ten times rarer (BUNDLE_GC_THRESHOLDS).
     case "$stage" in
+      direct) shape=(BUNDLE_STREAM_DIRECT_WRITES=1) ;;
       no-direct) shape=(BUNDLE_STREAM_DIRECT_WRITES=0) ;;
       gc-rare) shape=(BUNDLE_GC_THRESHOLDS="${BUNDLE_GC_THRESHOLDS:-[700,10,100]}") ;;
     esac

@@ -182,5 +182,7 @@ async def _fallbacks_of_one_stream(http: str, **settings: Any) -> str:
 
 
 async def test_the_app_counts_a_stream_on_a_server_without_direct_writes() -> None:
-    assert await _fallbacks_of_one_stream("h11") == 'bundle_direct_write_fallbacks_total{reason="server"} 1.0'
-    assert await _fallbacks_of_one_stream("h11", stream_direct_writes=False) == ""  # none tried
+    assert await _fallbacks_of_one_stream("h11", stream_direct_writes=True) == (
+        'bundle_direct_write_fallbacks_total{reason="server"} 1.0'
+    )
+    assert await _fallbacks_of_one_stream("h11") == ""  # off by default: none tried
