@@ -27,7 +27,8 @@ from pathlib import Path
 from shared.cache.layout import point_caches_at
 from shared.cache.start import fetch_pack
 from shared.engine.contract import Engine
-from shared.engine.vllm import import_engine_modules, open_engine
+from shared.engine.model_inspection import begin_inspection
+from shared.engine.vllm import import_engine_modules, open_engine, resolve_model_path
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.models.weights import bundled_pack, resolve_weights
@@ -99,7 +100,7 @@ async def prepare_start(settings: Settings, weights: str | None = None) -> Setti
     point_caches_at(settings)  # before the import, which the variables may concern
     started = time.monotonic()
     resolved, pack, import_s = await asyncio.gather(
-        asyncio.to_thread(with_weights, settings, weights),
+        asyncio.to_thread(with_weights_inspected, settings, weights),
         asyncio.to_thread(fetch_pack, settings),
         asyncio.to_thread(_timed, import_engine_modules),
     )
@@ -109,6 +110,14 @@ async def prepare_start(settings: Settings, weights: str | None = None) -> Setti
         import_s,
     )
     return resolved.model_copy(update={"compile_cache": _pack_to_use(settings, pack, weights)})
+
+
+def with_weights_inspected(settings: Settings, weights: str | None) -> Settings:
+    """The weights, then vLLM's inspection of their model class begun beside the import (an
+    empty container's start waited 17-19 s for it on the H200: shared/engine/model_inspection.py)."""
+    resolved = with_weights(settings, weights)
+    begin_inspection(resolve_model_path(resolved))
+    return resolved
 
 
 def with_weights(settings: Settings, weights: str | None) -> Settings:

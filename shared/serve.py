@@ -59,6 +59,8 @@ def serve(settings: Settings) -> None:
     if settings.api_processes > 1:
         serve_processes(settings)
         return
+    from shared.cache.layout import point_caches_at
+    from shared.engine.model_inspection import begin_inspection
     from shared.engine.vllm import import_vllm, resolve_model_path
     from shared.http.api import create_app
     from shared.http.process import run_server
@@ -67,6 +69,11 @@ def serve(settings: Settings) -> None:
     # The bundle's own start-up lines (engine, request identity) next to uvicorn's.
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("shared").setLevel(settings.log_level.upper())
+    # vLLM's inspection of the model class runs in a process of its own beside the import
+    # instead of after it (shared/engine/model_inspection.py); it reads the cache root from
+    # the environment, so that is set first.
+    point_caches_at(settings)
+    begin_inspection(local_model_dir(settings))
     # vLLM would be imported by the app's start-up anyway; importing it here makes the import
     # cost one phase of its own in the start-up benchmark instead of hiding inside the engine's.
     import_vllm()
@@ -87,6 +94,16 @@ def serve(settings: Settings) -> None:
     gc.freeze()
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def local_model_dir(settings: Settings) -> str:
+    """The served model's folder as far as it is known before vLLM's import: the tiny model's
+    is built after it (the first time), a Hugging Face id is resolved by the engine."""
+    if settings.uses_tiny_model:
+        from shared.models.tiny_model import model_dir
+
+        return str(model_dir(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed))
+    return settings.model
 
 
 def serve_processes(settings: Settings) -> None:

@@ -29,6 +29,7 @@ from shared.engine.contract import (
     TokenLogprob,
     ToolCallShaper,
 )
+from shared.engine.model_inspection import settle_inspection
 from shared.engine.presets import apply_preset
 from shared.engine.vllm_features import (
     EngineFeatures,
@@ -599,6 +600,7 @@ def start_llm(settings: Settings) -> Any:
 
     args = engine_args(settings, on_cpu=current_platform.is_cpu())
     use_compile_caches(settings, args)  # a compile-cache pack, where it was made for this start
+    settle_inspection()  # the model class's inspection, begun early by the start's preparation
     log.info("starting vLLM with model %s", args.model)
     llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
     freeze_startup_heap()

@@ -86,9 +86,14 @@ SHAPES: dict[str, ModelShape] = {
 }
 
 
+def model_dir(cache_dir: Path, shape: str = "tiny", seed: int = 0) -> Path:
+    """Where `ensure_model` keeps this model, built or not."""
+    return cache_dir / f"{shape}-seed{seed}-v{BUILDER_VERSION}"
+
+
 def ensure_model(cache_dir: Path, shape: str = "tiny", seed: int = 0) -> Path:
     """Return the directory of the built model, building it first if it is not cached."""
-    target = cache_dir / f"{shape}-seed{seed}-v{BUILDER_VERSION}"
+    target = model_dir(cache_dir, shape, seed)
     if (target / "config.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
