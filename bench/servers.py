@@ -162,6 +162,8 @@ def _vllm_server_base(settings: Settings, args: Any, port: int, api_servers: int
     ]
     if args.max_model_len:
         command += ["--max-model-len", str(args.max_model_len)]
+    if args.tensor_parallel_size > 1:  # BUNDLE_TENSOR_PARALLEL_SIZE: the engine split as the bundle's
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     return command
 
 

@@ -64,10 +64,10 @@ class ServedModelSection(Section):
         default_factory=_default_cache_dir,
         description="Where the tiny model is built and downloaded weights and adapters are unpacked.",
     )
-    tiny_model_shape: Literal["tiny", "llama3-1b", "llama3-8b"] = Field(
+    tiny_model_shape: Literal["tiny", "llama3-1b", "llama3-8b", "llama3-70b"] = Field(
         "tiny",
-        description="Shape of the built-in model: 'llama3-1b' (Llama-3.2-1B's) and 'llama3-8b' are "
-        "config-only (dummy load).",
+        description="Shape of the built-in model: 'llama3-1b' (Llama-3.2-1B's), 'llama3-8b' and "
+        "'llama3-70b' (two GPUs: BUNDLE_TENSOR_PARALLEL_SIZE=2) are config-only (dummy load).",
     )
     tiny_model_seed: int = Field(0, description="Seed of the built-in model's random weights.")
     compile_cache: str | None = Field(

@@ -5,9 +5,10 @@ engine (scheduler, KV cache, detokenizer, sampling) on a laptop or CI box. Its o
 gibberish by construction. The build is deterministic for a seed and cached on disk, so it runs
 once per machine (a few MB, a few seconds).
 
-``llama3-8b`` and ``llama3-1b`` write only a config with Llama-3-8B's (Llama-3.2-1B's) shape plus
-a tokenizer covering all 128,256 ids; vLLM's ``load_format="dummy"`` then fills random weights,
-giving the real model's compute and memory cost on a GPU without its weights.
+``llama3-8b``, ``llama3-1b`` and ``llama3-70b`` write only a config with Llama-3-8B's
+(Llama-3.2-1B's, Llama-3-70B's) shape plus a tokenizer covering all 128,256 ids; vLLM's
+``load_format="dummy"`` then fills random weights, giving the real model's compute and memory
+cost on a GPU without its weights.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ SHAPES: dict[str, ModelShape] = {
     "llama3-1b": ModelShape(
         2048, 8192, 16, 32, 8, 128256, 8192, 500000.0, "bfloat16", tie_word_embeddings=True
     ),
+    # Llama-3-70B: 70.6 B parameters, 141 GB in bf16, which leaves one H200 (150.7 GB) next to no
+    # room for a KV cache: two, with tensor parallel 2, ~70.6 GB of weights on each (issue 41,
+    # `bash bench/gpu.sh tp2`). Context 8,192, the model's own.
+    "llama3-70b": ModelShape(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0, "bfloat16"),
 }
 
 
