@@ -80,6 +80,29 @@ def test_a_child_that_fails_is_one_warning_and_the_start_goes_on(
     assert _answers(cache_root) == []
 
 
+def test_a_pack_that_brought_the_answer_keeps_it_even_when_the_child_ended_first(
+    cache_root: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="shared.engine.model_inspection")
+    child_answers = (  # the child's own answer, written into its scratch root, then it exits
+        "import os, pathlib; folder = pathlib.Path(os.environ['VLLM_CACHE_ROOT'], 'modelinfos'); "
+        f"folder.mkdir(parents=True); (folder / 'm-{ARCH}.json').write_text('child')"
+    )
+    monkeypatch.setattr(model_inspection, "CHILD", child_answers)
+    begin_inspection(model_dir)
+    [inspection] = model_inspection._pending
+    inspection.process.wait()
+    assert (inspection.scratch / "modelinfos" / f"m-{ARCH}.json").read_text() == "child"
+    assert not (cache_root / "modelinfos").exists()  # nothing written where the engine reads
+    (cache_root / "modelinfos").mkdir(parents=True)  # then the pack's unpacking
+    pack_answer = cache_root / "modelinfos" / f"m-{ARCH}.json"
+    pack_answer.write_text("pack")
+    settle_inspection()
+    assert pack_answer.read_text() == "pack"
+    assert f"{ARCH} already in the cache" in caplog.text
+    assert not inspection.scratch.exists()
+
+
 def test_an_answer_that_a_pack_brought_stops_the_child_without_waiting(
     cache_root: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -91,4 +114,5 @@ def test_an_answer_that_a_pack_brought_stops_the_child_without_waiting(
     (cache_root / "modelinfos" / f"vllm-model_executor-models-llama-{ARCH}.json").write_text("{}")
     settle_inspection()
     assert inspection.process.returncode is not None  # stopped, not waited 600 s for
+    assert not inspection.scratch.exists()
     assert f"{ARCH} already in the cache; the early one stopped" in caplog.text

@@ -9,17 +9,18 @@ The answer depends on vLLM's model module only, not on the GPU or the weights, s
 soon as the model's `config.json` names its architectures, in a process of its own that runs
 while this one imports vLLM and downloads the weights:
 
-    begin_inspection(model_dir)   # after point_caches_at(): the root the child and vLLM use
+    begin_inspection(model_dir)   # after point_caches_at(): the cache root vLLM will read
     ...                            # import vLLM, download the weights and the pack
-    settle_inspection()            # shared/engine/vllm.py, just before the engine starts
+    settle_inspection()            # shared/engine/vllm.py, after the pack, before the engine
 
 The child (`inspect_in_this_process`, in a fresh interpreter) is the fresh process vLLM would
 have started: it has the registry inspect each class in-process and save vLLM's own cache file,
-which the engine's configuration then reads. Waiting for it is never longer than the engine's
-own inspection would take, as it started earlier; a pack that brought the answer makes the wait
-unnecessary, so the child is then stopped. Anything going wrong here (no config.json, an
-architecture vLLM does not list, a child that fails) is one log line, and the engine inspects
-the class itself as it always did.
+in a scratch cache root of its own. Settling moves that file into the root the engine reads,
+waiting for the child if it still runs (never longer than the engine's own inspection would
+take, as it started earlier). Where the root already holds an answer, a compile-cache pack
+brought it: the pack's file stays as it is and the child is stopped. Anything going wrong here
+(no config.json, an architecture vLLM does not list, a child that fails) is one log line, and
+the engine inspects the class itself as it always did.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from typing import IO, TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+ANSWERS = "modelinfos"  # vLLM's folder of inspection answers under its cache root
 WAIT_LIMIT_S = 180.0  # an inspection on a loaded 2-core box took 25 s; this only bounds a hang
 # The child imports this module from the same copy of the package as this process (a Cog
 # runner's /src, a wheel, a checkout), whatever its working directory and sys.path.
@@ -55,7 +58,15 @@ class Inspection:
     architectures: list[str]
     process: subprocess.Popen[bytes]
     stderr: IO[bytes]  # a file, not a pipe: a child writing more than a pipe holds never blocks
+    scratch: Path  # the child's own VLLM_CACHE_ROOT: it never writes where the engine reads
     started: float
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.stderr.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 # The one early inspection of this process, begun by its start's preparation and settled by the
@@ -90,41 +101,42 @@ def cache_root() -> Path:
 
 def _discard_pending() -> None:
     while _pending:
-        stale = _pending.pop()
-        with stale.stderr:
-            _stop(stale)
+        _pending.pop().close()
 
 
 def start_inspection(architectures: list[str]) -> Inspection | None:
-    """A fresh interpreter inspecting these classes; None (and a line) if it cannot start."""
-    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by settle() or on failure below
+    """A fresh interpreter inspecting these classes into a scratch cache root of its own; None
+    (and a line) if it cannot start."""
+    scratch = Path(tempfile.mkdtemp(prefix="bundle-model-inspection-"))
+    stderr = tempfile.TemporaryFile()  # noqa: SIM115 - Inspection.close() closes it
     try:
         process = subprocess.Popen(
             [sys.executable, "-c", CHILD, PACKAGE_ROOT, *architectures],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            env={**os.environ, "VLLM_CACHE_ROOT": str(scratch)},
         )
     except OSError as exc:
         stderr.close()
+        shutil.rmtree(scratch, ignore_errors=True)
         log.warning("model inspection: could not start it early (%s); the engine will do it", exc)
         return None
-    return Inspection(architectures, process, stderr, time.monotonic())
+    return Inspection(architectures, process, stderr, scratch, time.monotonic())
 
 
 def settle(inspection: Inspection, root: Path) -> None:
-    """Wait for the early inspection, unless the cache answers for every architecture while it
-    still runs (a compile-cache pack brought the answer): then stop it, it is not needed."""
-    with inspection.stderr:
-        if inspection.process.poll() is None and _cached(inspection.architectures, root):
-            _stop(inspection)
+    """Put the early inspection's answer where vLLM reads it, waiting for it if need be; unless
+    the cache already answers for every architecture (a compile-cache pack brought the answer,
+    which stays as the pack made it): then the child is stopped, not waited for."""
+    try:
+        if _cached(inspection.architectures, root):
             log.info("model inspection: %s already in the cache; the early one stopped", _names(inspection))
             return
         waited = time.monotonic()
         try:
             inspection.process.wait(timeout=WAIT_LIMIT_S)
         except subprocess.TimeoutExpired:
-            _stop(inspection)
             log.warning("model inspection: the early one took over %.0f s and was stopped", WAIT_LIMIT_S)
             return
         if inspection.process.returncode != 0:
@@ -134,17 +146,31 @@ def settle(inspection: Inspection, root: Path) -> None:
                 _last_line(inspection.stderr),
             )
             return
-    log.info(
-        "model inspection: %s done early in %.1f s, %.1f s of it waited for",
-        _names(inspection),
-        time.monotonic() - inspection.started,
-        time.monotonic() - waited,
-    )
+        moved = _move_answers(inspection.scratch, root)
+        log.info(
+            "model inspection: %s done early in %.1f s, %.1f s of it waited for (%d file(s) into %s)",
+            _names(inspection),
+            time.monotonic() - inspection.started,
+            time.monotonic() - waited,
+            moved,
+            root / ANSWERS,
+        )
+    except OSError as exc:  # an unwritable cache: the engine inspects and finds out itself
+        log.warning("model inspection: its answer could not be kept (%s); the engine will do it", exc)
+    finally:
+        inspection.close()
 
 
-def _stop(inspection: Inspection) -> None:
-    inspection.process.kill()
-    inspection.process.wait()
+def _move_answers(scratch: Path, root: Path) -> int:
+    """Each of the child's answer files into `root`, whole or not at all (rename in one folder)."""
+    target = root / ANSWERS
+    target.mkdir(parents=True, exist_ok=True)
+    answers = sorted((scratch / ANSWERS).glob("*.json"))
+    for answer in answers:
+        staged = target / f".{answer.name}.{os.getpid()}"
+        shutil.copyfile(answer, staged)
+        os.replace(staged, target / answer.name)
+    return len(answers)
 
 
 def _architectures(model: Path) -> list[str]:
@@ -161,7 +187,7 @@ def _architectures(model: Path) -> list[str]:
 def _cached(architectures: list[str], root: Path) -> bool:
     # vLLM names the file "<module with dashes>-<class>.json" (registry._LazyRegisteredModel);
     # one whose module hash is stale is re-inspected by the engine itself, as before.
-    folder = root / "modelinfos"
+    folder = root / ANSWERS
     return all(any(folder.glob(f"*-{name}.json")) for name in architectures)
 
 
