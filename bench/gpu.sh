@@ -632,6 +632,6 @@ assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "sn
     exit $status ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
