@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import redis
 
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
-from shared.identity.store import PRODUCER_LOST_BOUND_S, replica_key
+from shared.identity.store import PRODUCER_LOST_BOUND_S, Claim, claim_key, replica_key
 from tests.conftest import free_port, long_chat, wait_until
 from tests.gate import Gate, Hold
 from tests.real_server import ServerProcess, kill_engine_core_mid_stream
@@ -286,9 +287,11 @@ async def test_followers_on_b_hear_that_replica_a_died(
 ) -> None:
     a, b = replicas
     # Both heartbeats are back in the store (restarted above) before the test relies on them.
-    store = redis.Redis.from_url(redis_server.url)
-    wait_until(lambda: len(store.keys(replica_key("*"))) == 2, timeout=30)
-    store.close()
+    # A's and B's own keys by name: other servers of the session (tests/test_one_door.py's live
+    # server stays up until the session ends) beat into the same store.
+    async with httpx.AsyncClient(timeout=60) as client:
+        ids = [await _replica_id(client, replica, redis_server) for replica in replicas]
+    _wait_for_heartbeats(ids, redis_server)
     headers = {"X-Request-Id": "owner-dies"}
     async with (
         httpx.AsyncClient(timeout=60) as client,
@@ -319,6 +322,29 @@ async def test_followers_on_b_hear_that_replica_a_died(
     async with httpx.AsyncClient(timeout=60) as client:
         again = await client.post(f"{b.url}/v1/chat/completions", json=body, headers=headers)
     assert again.status_code == 410 and again.json()["error"]["code"] == "producer_lost"
+
+
+async def _replica_id(client: httpx.AsyncClient, replica: Replica, redis_server: RedisServer) -> str:
+    """The id `replica` claims requests under (random per process): the owner of a claim it made."""
+    request_id = f"whoami-{uuid.uuid4().hex[:8]}"
+    assert (await _identified(client, replica.url, request_id)).status_code == 200
+    store = redis.Redis.from_url(redis_server.url)
+    try:
+        return Claim.decode(store.get(claim_key(request_id))).owner
+    finally:
+        store.close()
+
+
+def _wait_for_heartbeats(replica_ids: list[str], redis_server: RedisServer) -> None:
+    store = redis.Redis.from_url(redis_server.url)
+    try:
+        wait_until(lambda: all(store.exists(replica_key(rid)) for rid in replica_ids), timeout=30)
+    except AssertionError:
+        beats = {key.decode(): store.pttl(key) for key in store.keys(replica_key("*"))}
+        missing = f"heartbeats of {replica_ids} not all back; in the store (ms left): {beats}"
+        raise AssertionError(missing) from None
+    finally:
+        store.close()
 
 
 def _why_a_looked_dead(a: Replica, redis_server: RedisServer) -> str:
