@@ -200,6 +200,22 @@ async def test_the_heartbeat_outlives_an_unexpected_error(
     await store.aclose()
 
 
+async def test_the_heartbeat_comes_back_after_the_store_restarts(redis_server: RedisServer) -> None:
+    """A store killed and started again holds nothing: each replica's next beat must write its key
+    anew, or followers would declare a live replica dead (and, with takeover, run its generations
+    twice). Idle beats, no request to wake the connection up."""
+    store = await live_store(redis_server, "beats-after-restart")
+    await until(lambda: store.client.exists(replica_key("beats-after-restart")), 10, "the first beat")
+    redis_server.stop()
+    try:
+        failed_beats = store.metrics.store_errors.labels("heartbeat")
+        await until(lambda: failed_beats._value.get() >= 1, 20, "a failed beat")
+    finally:
+        redis_server.start()
+    await until(lambda: store.client.exists(replica_key("beats-after-restart")), 15, "a beat after the restart")
+    await store.aclose()
+
+
 async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is_back(
     redis_server: RedisServer,
 ) -> None:
