@@ -26,6 +26,7 @@ def test_the_70b_shape_is_llama_3_70bs_config_only(tmp_path: Path) -> None:
     assert (config["vocab_size"], rope_theta) == (128256, 500000.0)
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     assert config["tie_word_embeddings"] is False
+    assert config["architectures"] == ["LlamaForCausalLM"]  # as the real checkpoint's config says
     assert not list(built.glob("*.safetensors"))  # vLLM's dummy load fills the weights
     assert Settings(tiny_model_shape="llama3-70b").tiny_model_shape == "llama3-70b"
 

@@ -191,6 +191,11 @@ def _llama_config(shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> Llam
 
 def _write_config(out: Path, shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> None:
     config = _llama_config(shape, tokenizer)
+    # A config saved without a model names no class; the real checkpoints' configs do, and the
+    # start reads it: without it vLLM falls back to transformers' base `LlamaModel` name (the same
+    # class underneath) and the early inspection (shared/engine/model_inspection.py) has no name
+    # to inspect, so the H200 cold boots until 2026-12-03 paid vLLM's own inspection.
+    config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
     generation = {"bos_token_id": 1, "eos_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(generation))
