@@ -816,11 +816,9 @@ def _none_running(service: Service) -> None:
 
 
 @contextlib.contextmanager
-def _left_mid_generation(base_url: str, service: Service, gate: Gate, *extra_headers: bytes) -> Iterator[None]:
+def _left_mid_generation(base_url: str, gate: Gate, *extra_headers: bytes) -> Iterator[None]:
     """A non-streaming client that sends a long chat and leaves (closes its connection) while the
-    generation runs: held in the engine (frozen) until the block ends, so it cannot finish first.
-    It starts once no generation runs (`_none_running`)."""
-    _none_running(service)
+    generation runs: held in the engine (frozen) until the block ends, so it cannot finish first."""
     url = httpx.URL(base_url)
     with gate.hold(after=1, freeze_engine=True) as held:
         messages = [{"role": "user", "content": held.prompt("tell me a long story")}]
@@ -840,7 +838,7 @@ def test_an_anonymous_non_streaming_client_that_leaves_aborts_its_generation(
 ) -> None:
     _none_running(service)
     before = _aborted(service, "disconnect")
-    with _left_mid_generation(base_url, service, gate):
+    with _left_mid_generation(base_url, gate):
         wait_until(lambda: _aborted(service, "disconnect") == before + 1, timeout=60.0)
         wait_until(lambda: service.engine.running_requests() == 0, timeout=60.0)
 
@@ -848,7 +846,8 @@ def test_an_anonymous_non_streaming_client_that_leaves_aborts_its_generation(
 def test_a_named_non_streaming_client_that_leaves_keeps_its_grace_window(
     base_url: str, service: Service, gate: Gate
 ) -> None:
-    with _left_mid_generation(base_url, service, gate, b"X-Request-Id: non-streaming-grace\r\n"):
+    _none_running(service)
+    with _left_mid_generation(base_url, gate, b"X-Request-Id: non-streaming-grace\r\n"):
         wait_until(lambda: service.stats()["subscribers"] == 0, timeout=60.0)  # the server saw it leave
         assert service.engine.running_requests() >= 1  # still generating: the client may come back
         with httpx.Client(base_url=base_url, timeout=30) as client:
