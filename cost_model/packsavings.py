@@ -8,7 +8,8 @@ the measured empty-container start, once with the measured start from a pack. Re
 private models and deployments bill setup + idle + active, so every cold start is paid in GPU
 seconds; public models bill active time only, where the pack changes what users wait, not the
 bill (it can even raise it a little: fewer requests queue behind a shorter start and then share
-an instance's active seconds; docs/cost-model.md). Only measured start-ups are used (cost_model/coldboot.py), and the output names the file.
+an instance's active seconds; docs/cost-model.md). Only measured start-ups are used
+(cost_model/coldboot.py), and the output names the file.
 """
 
 from __future__ import annotations
