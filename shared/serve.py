@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +60,9 @@ def serve(settings: Settings) -> None:
     if settings.api_processes > 1:
         serve_processes(settings)
         return
+    # The port first: a busy one is one line now, not after a start of minutes; and held from here
+    # on, no other process (vLLM's own free-port picks during its start included) can take it.
+    listener = claim_port(settings)
     from shared.cache.layout import point_caches_at
     from shared.engine.model_inspection import begin_inspection
     from shared.engine.vllm import import_vllm, resolve_model_path
@@ -87,13 +91,26 @@ def serve(settings: Settings) -> None:
         return app
 
     # Non-zero only when the engine died: a supervisor must then replace this process.
-    exit_code = run_server(settings, make_app)
+    exit_code = run_server(settings, make_app, sockets=[listener])
     # The server, its engine and its threads have stopped. Python's last collection at exit would
     # walk the whole heap of vLLM and torch (8 s here, after a drain that had ended in 1.5 s);
     # frozen objects are left out of it, and the operating system frees them anyway.
     gc.freeze()
     if exit_code:
         raise SystemExit(exit_code)
+
+
+def claim_port(settings: Settings) -> socket.socket:
+    """BUNDLE_HOST:BUNDLE_PORT bound, not yet listening: connections are refused until the app
+    has started, as when uvicorn binds. One it cannot bind: one line and exit 2."""
+    from shared.errors import SetupError
+    from shared.procs.listeners import bound_sockets
+
+    try:
+        return bound_sockets(settings.host, settings.port, 1)[0]
+    except SetupError as exc:
+        print(f"python -m shared.serve: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def local_model_dir(settings: Settings) -> str:

@@ -247,8 +247,6 @@ def test_settings_refuse_nonsense() -> None:
     assert Settings().api_processes == 1
 
 
-
-
 def test_the_modal_class_refuses_several_api_processes_at_deploy() -> None:
     env = {**os.environ, "BUNDLE_API_PROCESSES": "2"}
     done = subprocess.run(
@@ -263,3 +261,34 @@ def test_a_port_taken_by_another_server_is_a_setup_error() -> None:
         taken.listen()
         with pytest.raises(SetupError, match="cannot listen on 127.0.0.1"):
             bound_sockets("127.0.0.1", taken.getsockname()[1], 2)
+
+
+def test_a_lone_servers_port_is_its_own() -> None:
+    """One process binds without SO_REUSEPORT: once it serves, a second server asking to share the
+    port (as a supervisor's sockets do) is refused instead of taking half the connections."""
+    (own,) = bound_sockets("127.0.0.1", 0, 1)
+    try:
+        own.listen()
+        with pytest.raises(SetupError, match="cannot listen on 127.0.0.1"):
+            bound_sockets("127.0.0.1", own.getsockname()[1], 2)
+    finally:
+        close_all([own])
+
+
+def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts() -> None:
+    """`python -m shared.serve` claims its port first: a taken one ends it at once (no vLLM import,
+    no engine start), and it cannot be taken later by anything the start runs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "shared.serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    said = [line for line in done.stderr.splitlines() if not line.startswith(MARKER)]
+    assert done.returncode == 2
+    assert said == [f"python -m shared.serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert f"{MARKER} imports" not in done.stderr

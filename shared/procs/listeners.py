@@ -22,7 +22,9 @@ from shared.errors import SetupError
 
 
 def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` sockets bound to one (host, port) with SO_REUSEPORT; port 0 picks one for all."""
+    """`count` sockets bound to one (host, port); port 0 picks one for all. SO_REUSEPORT only
+    when there are several: a lone server's port stays its own, and a second server started on
+    it is refused instead of silently taking half its connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets: list[socket.socket] = []
     try:
@@ -30,7 +32,8 @@ def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
             sock = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if count > 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # the one port 0 chose, for the others
     except OSError as exc:
