@@ -2,6 +2,7 @@
 
     python -m bench.coldboot --part cog  --work /tmp/coldboot --out DIR   # ~3-4 min on the H200
     python -m bench.coldboot --part rest --work /tmp/coldboot --out DIR   # ~5 min; needs `cog` first
+    python -m bench.coldboot --part again --work /tmp/coldboot --out DIR  # ~3 min; needs `cog` first
 
 Part `cog`: coglet serving cog/predict.py:Runner, COG_WEIGHTS the URL of a tar of the model
 folder (a local HTTP server), as Replicate starts a trained version:
@@ -13,6 +14,10 @@ Part `rest`:
                 manifest saying another vLLM version: it must be refused in one line;
   serve-empty   `python -m shared.serve` with an empty root (BUNDLE_COMPILE_CACHE_DIR), packed;
   serve-pack    the same with BUNDLE_COMPILE_CACHE naming that pack.
+Part `again` (each time it runs: -2, -3, ...):
+  cog-empty-N, cog-pack-N   the two Cog boots of part `cog` once more, on the same tars and pack:
+                one boot per kind judges the host as much as the code (the same empty boot took
+                106-118 s across leases), so the bars are judged on the median of the boots there are.
 Every boot answers the same 16 prompts greedily (one at a time, so that no batch differs); a
 pack boot's texts must equal its empty boot's. Phases come from coglet's log (bench/coldboot_logs.py)
 and from the server's log (bench/startup.py's milestones). Results merge into DIR/coldboot.json
@@ -31,6 +36,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -48,6 +54,7 @@ from bench.cog_rehearsal import coglet, wait_setup
 from bench.coldboot_logs import COG_MILESTONES, cog_phases, setup_errors
 from bench.servers import free_port, wait_healthy
 from bench.startup import PHASES, LogCapture, machine, milestones, phases, spawned_server, vllm_version
+from cost_model.coldboot import is_boot_of
 from shared.cache.layout import ROOT_NAME, cache_env
 from shared.cache.manifest import MANIFEST_NAME
 from shared.engine.vllm import resolve_model_path
@@ -55,7 +62,7 @@ from shared.models.weights import PACK_FOLDER
 from shared.settings import Settings
 
 SCHEMA = "bundle-coldboot/1"
-PARTS = ("cog", "rest")
+PARTS = ("cog", "rest", "again")
 PROMPTS = tuple(
     f"Question {n}: in two sentences, what is {topic}?"
     for n, topic in enumerate(
@@ -66,9 +73,10 @@ PROMPTS = tuple(
     )
 )  # fmt: skip
 MISMATCH_SUFFIX = "+another-build"  # appended to the pack's vLLM version: a pack for another image
-# The issue's bars on the H200 (one lease): READY with a pack, without, /health with a pack.
+# The issue's bars on the H200 (one lease): READY with a pack, without, /health with a pack; each
+# judged on the median of that kind's boots (part `again` adds boots of the two Cog kinds).
 BARS_S = {"cog-pack": 45.0, "cog-empty": 110.0, "serve-pack": 45.0}
-NOT_SLOWER_SLACK = 1.05  # "no slower than empty": within 5 %, one run each
+NOT_SLOWER_SLACK = 1.05  # "no slower than empty": within 5 % of the empty boots' median
 
 
 # --- files the boots fetch -----------------------------------------------------------------------------
@@ -277,7 +285,37 @@ def part_rest(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, A
     return boots, packs
 
 
+def part_again(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    files = Files(work / "http")
+    needed = [work / "cog-pack.tar", files.folder / "weights.tar", files.folder / "weights-cache.tar"]
+    if missing := [str(path) for path in needed if not path.is_file()]:
+        files.close()
+        raise SystemExit(f"no {', '.join(missing)}: run --part cog with this --work first")
+    index = 2
+    while (work / f"cog-empty-{index}.log").exists():
+        index += 1
+    home = work / "cog-home"
+    cache = home / ".cache" / "bundle"
+    boots = {}
+    try:
+        for name, tar in ((f"cog-empty-{index}", "weights.tar"), (f"cog-pack-{index}", "weights-cache.tar")):
+            env = fresh_env(home, BUNDLE_CACHE_DIR=str(cache), COG_WEIGHTS=files.url(tar))
+            boots[name] = boot_cog(name, env, work, timeout_s)
+    finally:
+        files.close()
+    return boots, {}
+
+
 # --- the report ---------------------------------------------------------------------------------------------
+def runs_of(boots: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """The boots of one kind: `kind` itself and its repeats `kind-2`, `kind-3`, ..."""
+    return [boot for name, boot in boots.items() if is_boot_of(name, kind)]
+
+
+def median_ready(boots: dict[str, Any], kind: str) -> float:
+    return round(statistics.median(boot["ready_s"] for boot in runs_of(boots, kind)), 2)
+
+
 def checks(boots: dict[str, Any]) -> dict[str, Any]:
     """What issue 38 asks to be shown, for the boots present."""
     found: dict[str, Any] = {}
@@ -287,7 +325,9 @@ def checks(boots: dict[str, Any]) -> dict[str, Any]:
         ("serve-pack", "serve-empty"),
     ):
         if pack in boots and empty in boots:
-            found[f"{pack}_same_greedy_text"] = boots[pack].get("greedy") == boots[empty].get("greedy")
+            found[f"{pack}_same_greedy_text"] = all(
+                boot.get("greedy") == boots[empty].get("greedy") for boot in runs_of(boots, pack)
+            )
     for name in ("cog-pack", "serve-pack"):
         if name in boots:
             found[f"{name}_used"] = any(": used, " in line for line in boots[name].get("pack_lines", []))
@@ -296,11 +336,16 @@ def checks(boots: dict[str, Any]) -> dict[str, Any]:
         refusals = [line for line in said if "not used" in line]
         found["cog-mismatch_one_line"] = len(refusals) == 1 and "made for another start" in refusals[0]
         if "cog-empty" in boots:
-            slower = boots["cog-mismatch"]["ready_s"] / max(boots["cog-empty"]["ready_s"], 1e-9)
+            slower = boots["cog-mismatch"]["ready_s"] / max(median_ready(boots, "cog-empty"), 1e-9)
             found["cog-mismatch_ready_vs_empty"] = round(slower, 3)
             found["cog-mismatch_not_slower"] = slower <= NOT_SLOWER_SLACK
     found["bars_s"] = {
-        name: {"bar": bar, "ready_s": boots[name]["ready_s"], "met": boots[name]["ready_s"] <= bar}
+        name: {
+            "bar": bar,
+            "ready_s": [boot["ready_s"] for boot in runs_of(boots, name)],
+            "median_s": median_ready(boots, name),
+            "met": median_ready(boots, name) <= bar,
+        }
         for name, bar in BARS_S.items()
         if name in boots
     }
@@ -384,7 +429,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    boots, packs = (part_cog if args.part == "cog" else part_rest)(args.work, args.timeout)
+    part = {"cog": part_cog, "rest": part_rest, "again": part_again}[args.part]
+    boots, packs = part(args.work, args.timeout)
     args.out.mkdir(parents=True, exist_ok=True)
     result = report(args, boots, packs)
     (args.out / "coldboot.json").write_text(json.dumps(result, indent=2) + "\n")

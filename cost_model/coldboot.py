@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,21 @@ class ColdBoots:
     origin: str
 
     def empty_and_pack(self, target: str) -> tuple[float, float]:
+        """The median boot of each kind: `cog-empty` with its repeats `cog-empty-2`, ... if any."""
         names = (f"{target}-empty", f"{target}-pack")
         missing = [name for name in names if name not in self.ready_s]
         if missing:
             present = ", ".join(sorted(self.ready_s)) or "none"
             raise CostModelError(f"{self.origin} has no boot {', '.join(missing)} (has: {present})")
-        return self.ready_s[names[0]], self.ready_s[names[1]]
+        return self.median(names[0]), self.median(names[1])
+
+    def median(self, kind: str) -> float:
+        return statistics.median(seconds for name, seconds in self.ready_s.items() if is_boot_of(name, kind))
+
+
+def is_boot_of(name: str, kind: str) -> bool:
+    """Whether boot `name` is of `kind`: the kind itself, or a repeat `kind-2`, `kind-3`, ..."""
+    return name == kind or (name.startswith(f"{kind}-") and name.removeprefix(f"{kind}-").isdigit())
 
 
 def choose_file(given: Path | None) -> Path:

@@ -107,3 +107,17 @@ def test_malformed_files_are_one_line(
     path.write_text(json.dumps(document))
     code, out, err = run(capsys, "pack-savings", "--coldboot", str(path))
     assert code == 2 and said in err, err
+
+
+def test_repeated_boots_count_by_their_median(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`bench/coldboot.py --part again` adds `cog-empty-2`, `cog-pack-2`, ...: each kind's median is
+    used, and a boot of another kind whose name merely starts alike (`cog-pack-old`) is not."""
+    ready = {"cog-empty": 118.0, "cog-empty-2": 100.0, "cog-empty-3": 104.0, "cog-pack": 50.0,
+             "cog-pack-2": 40.0, "cog-pack-old": 1.0}  # fmt: skip
+    path = tmp_path / "coldboot.json"
+    document = {"schema": "bundle-coldboot/1", "boots": {name: {"ready_s": s} for name, s in ready.items()}}
+    path.write_text(json.dumps(document))
+    bench = str(FIXTURES / "bench_small.json")
+    code, out, err = run(capsys, "pack-savings", "--coldboot", str(path), "--bench", bench, "--json")
+    assert code == 0, err
+    assert json.loads(out)["startup_s"] == {"empty": 104.0, "pack": 45.0}
