@@ -40,6 +40,24 @@ T = TypeVar("T")
 
 # Enough room for the tests' long generations; eager mode starts in ~20 s instead of ~50 s.
 ENGINE_SETTINGS = Settings(max_num_seqs=64, max_model_len=2048, enforce_eager=True)
+IPC_DIR_KEY = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """vLLM names its ZMQ sockets `ipc://<VLLM_RPC_BASE_PATH>/<uuid>` (default: the temp folder)
+    and leaves them behind when an engine stops: ~23 per run of this suite. They go into a folder
+    of this run's, removed at its end, with every engine and server the tests start (inherited)."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="bundle-tests-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    config.stash[IPC_DIR_KEY] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if folder := config.stash.get(IPC_DIR_KEY, None):
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
 
 
 def free_port() -> int:
