@@ -102,6 +102,8 @@
 #      shared.serve empty, then with its pack -> $OUT/coldboot/coldboot.json + every boot's log.
 #      run("bash bench/gpu.sh coldboot-again")                  # ~3.5 min: both Cog boots once more
 #      (the bars are judged on each kind's median; one boot judges the host as much as the code).
+#   optional: run("bash bench/gpu.sh listener")  # ~2 min: who holds shared.serve's port once vLLM
+#      forked its engine core, and whether a drain refuses new connections -> $OUT/listener/
 #      Needs .whl/cog/ as the `cog` stage does. Each boot: a fresh HOME and cache folder, COG_WEIGHTS
 #      the URL of a tar of the model folder (a local HTTP server), 16 greedy prompts.
 #   two GPUs (issue 41): Llama-3-70B's shape (BUNDLE_TINY_MODEL_SHAPE=llama3-70b, dummy bf16
@@ -445,6 +447,12 @@ case "$stage" in
     mkdir -p "${OUT:-/tmp/out}/coldboot" && cp bench/gpu-results/coldboot/coldboot.json /tmp/coldboot/*.log "${OUT:-/tmp/out}/coldboot/" 2>/dev/null || true
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
     exit $status ;;
+  listener)  # shared.serve's port on CUDA, where vLLM forks its engine core: held by the API process
+    # alone, refused during a drain (bench/listener.py; the CPU build spawns, so only here)
+    status=0
+    timeout 540 python3 -m bench.listener --out bench/gpu-results/listener || status=$?
+    mkdir -p "${OUT:-/tmp/out}/listener" && cp bench/gpu-results/listener/* "${OUT:-/tmp/out}/listener/" 2>/dev/null || true
+    exit $status ;;
   lora)  # stops at the first failure: a server that dies or lists no adapters ends the stage at once
     status=0
     timeout 540 python3 -m bench lora --adapters 4 --rank 16 --level 64 --rounds 2 --repeat 3 --prompt-tokens 512 \
@@ -634,6 +642,6 @@ assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "sn
     exit $status ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again listener lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
