@@ -102,8 +102,9 @@
 #      shared.serve empty, then with its pack -> $OUT/coldboot/coldboot.json + every boot's log.
 #      run("bash bench/gpu.sh coldboot-again")                  # ~3.5 min: both Cog boots once more
 #      (the bars are judged on each kind's median; one boot judges the host as much as the code).
-#   optional: run("bash bench/gpu.sh listener")  # ~2 min: who holds shared.serve's port once vLLM
-#      forked its engine core, and whether a drain refuses new connections -> $OUT/listener/
+#   optional: run(carry=[".whl"], "bash bench/gpu.sh listener")  # ~3 min: who holds shared.serve's
+#      port once vLLM forked its engine core, and whether a drain refuses new connections, with one
+#      API process and with two (.whl/ as for `redis`: the local valkey-server) -> $OUT/listener/
 #      Needs .whl/cog/ as the `cog` stage does. Each boot: a fresh HOME and cache folder, COG_WEIGHTS
 #      the URL of a tar of the model folder (a local HTTP server), 16 greedy prompts.
 #   two GPUs (issue 41): Llama-3-70B's shape (BUNDLE_TINY_MODEL_SHAPE=llama3-70b, dummy bf16
@@ -450,8 +451,11 @@ case "$stage" in
   listener)  # shared.serve's port on CUDA, where vLLM forks its engine core: held by the API process
     # alone, refused during a drain (bench/listener.py; the CPU build spawns, so only here)
     status=0
-    timeout 540 python3 -m bench.listener --out bench/gpu-results/listener || status=$?
-    mkdir -p "${OUT:-/tmp/out}/listener" && cp bench/gpu-results/listener/* "${OUT:-/tmp/out}/listener/" 2>/dev/null || true
+    mkdir -p "${OUT:-/tmp/out}/listener"
+    for processes in 1 2; do  # one API process; then two behind the supervisor's sockets
+      timeout 270 python3 -m bench.listener --out bench/gpu-results/listener --api-processes $processes || status=$?
+      cp bench/gpu-results/listener/* "${OUT:-/tmp/out}/listener/" 2>/dev/null || true  # each as it ends
+    done
     exit $status ;;
   lora)  # stops at the first failure: a server that dies or lists no adapters ends the stage at once
     status=0

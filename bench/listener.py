@@ -1,15 +1,17 @@
 """Who holds the server's port, and is it refused during a drain? (`python -m shared.serve`)
 
-    python -m bench.listener --out DIR      # bash bench/gpu.sh listener on the H200; ~1-2 min
+    python -m bench.listener --out DIR [--api-processes N]   # bash bench/gpu.sh listener; ~1-2 min
 
 `python -m shared.serve` binds its port before vLLM's engine starts (shared/serve.py,
 `claim_port`). On CUDA vLLM forks its engine core, and a forked child's copy of the listening socket
 would keep the port listening after the server closed it: connections made during a drain would
 queue unanswered instead of being refused. The CPU build spawns its engine core, so only a GPU run
-shows this. The check: start the server (eager, to be quick), list every process holding the
-listening socket, hold one long stream, send SIGTERM to the API process, and during the drain
-try new connections. Writes DIR/listener.json; exit 1 if a process other than the API one holds
-the port or a connection made during the drain was not refused.
+shows this. The check: start the server (eager, to be quick; with N API processes, the
+supervisor binds one socket per process before the engine core starts), list every process
+holding a socket listening on the port, hold one long stream, send SIGTERM to the server, and
+during the drain try new connections. Writes DIR/listener-N.json; exit 1 unless each listening
+socket is held by one process alone (its API process) and the connections made during the drain
+were refused.
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ LISTEN = "0A"  # the LISTEN state in /proc/net/tcp
 GRACE_S = 30  # the drain the server is given: long enough to try connections inside it
 
 
-def listening_inode(port: int) -> str | None:
+def listening_inodes(port: int) -> list[str]:
+    """The sockets listening on `port`: one, or one per API process (SO_REUSEPORT)."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as rows:
             for row in list(rows)[1:]:
                 fields = row.split()
                 if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == LISTEN:
-                    return fields[9]
-    return None
+                    found.append(fields[9])
+    return found
 
 
 def group_pids(group: int) -> list[int]:
@@ -94,21 +98,21 @@ def hold_a_stream(base: str, model: str, started: threading.Event) -> None:
         started.set()
 
 
-def check(work: Path) -> dict[str, Any]:
+def check(work: Path, api_processes: int) -> dict[str, Any]:
     port = free_port()
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "BUNDLE_ENFORCE_EAGER": "true",
         "BUNDLE_SHUTDOWN_GRACE_S": str(GRACE_S),
+        "BUNDLE_API_PROCESSES": str(api_processes),
     }
-    log = LogCapture(work / "listener-server.log")
+    log = LogCapture(work / f"listener-server-{api_processes}.log")
     with spawned_server(env, port, log) as (process, _):
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, process, 600)
-        inode = listening_inode(port)
         group = group_pids(process.pid)
-        held_by = holders(inode, group) if inode else []
+        held_by = {inode: holders(inode, group) for inode in listening_inodes(port)}
         started = threading.Event()
         stream = threading.Thread(
             target=hold_a_stream, args=(base, Settings().model_name, started), daemon=True
@@ -122,10 +126,13 @@ def check(work: Path) -> dict[str, Any]:
         process.wait(GRACE_S + 90)
         stream.join(10)
     return {
+        "api_processes": api_processes,
         "port": port,
         "processes_in_group": len(group),
         "holders": held_by,
-        "only_the_api_process_holds_it": [h["pid"] for h in held_by] == [process.pid],
+        # one listening socket per API process, each held by that process alone
+        "held_by_the_api_processes_alone": len(held_by) == api_processes
+        and all(len(found) == 1 for found in held_by.values()),
         "refused_during_drain": during_drain,
         "drain_was_running": drain_running,
         "exit_code": process.returncode,
@@ -134,22 +141,19 @@ def check(work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.listener", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="writes listener.json and the server's log")
+    parser.add_argument("--out", type=Path, required=True, help="writes listener-N.json and the server's log")
+    parser.add_argument("--api-processes", type=int, default=1, help="BUNDLE_API_PROCESSES (default 1)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
-        **check(args.out),
+        **check(args.out, args.api_processes),
     }
-    (args.out / "listener.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"listener-{args.api_processes}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
-    ok = (
-        result["only_the_api_process_holds_it"]
-        and all(result["refused_during_drain"])
-        and result["drain_was_running"]
-    )
-    return 0 if ok else 1
+    ok = result["held_by_the_api_processes_alone"] and result["drain_was_running"]
+    return 0 if ok and all(result["refused_during_drain"]) else 1
 
 
 if __name__ == "__main__":

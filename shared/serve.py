@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import socket
 import sys
 import time
@@ -108,15 +107,10 @@ def claim_port(settings: Settings) -> socket.socket:
     from shared.procs.listeners import bound_sockets
 
     try:
-        listener = bound_sockets(settings.host, settings.port, 1)[0]
+        return bound_sockets(settings.host, settings.port, 1)[0]  # forked children drop it: see there
     except SetupError as exc:
         print(f"python -m shared.serve: {exc.message}", file=sys.stderr)
         raise SystemExit(2) from None
-    # On CUDA vLLM forks its engine core (the CPU build spawns it). A forked child's copy of this
-    # socket would keep the port listening after this process closed it: connections made during a
-    # drain would queue unanswered instead of being refused. Forked children drop their copy.
-    os.register_at_fork(after_in_child=listener.close)
-    return listener
 
 
 def local_model_dir(settings: Settings) -> str:

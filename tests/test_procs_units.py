@@ -296,28 +296,38 @@ def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts() -> None:
 
 FORKED_CHILD_CHECK = """
 import os, sys
+from shared.procs.listeners import bound_sockets
 from shared.serve import claim_port
 from shared.settings import Settings
 
-listener = claim_port(Settings(port=0))
-fd, inode = listener.fileno(), os.fstat(listener.fileno()).st_ino
+held = [claim_port(Settings(port=0)), *bound_sockets("127.0.0.1", 0, 2)]  # one process; several
+inodes = {sock.fileno(): os.fstat(sock.fileno()).st_ino for sock in held}
+
+
+def kept() -> list[int]:
+    found = []
+    for fd, inode in inodes.items():
+        try:
+            if os.fstat(fd).st_ino == inode:
+                found.append(fd)
+        except OSError:
+            pass
+    return found
+
+
 pid = os.fork()  # as vLLM starts its engine core on CUDA
 if pid == 0:
-    try:
-        still_there = os.fstat(fd).st_ino == inode
-    except OSError:
-        still_there = False
-    os._exit(3 if still_there else 0)
+    os._exit(3 if kept() else 0)
 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-assert os.fstat(fd).st_ino == inode  # this process keeps it
+assert kept() == list(inodes)  # this process keeps them all
 sys.exit(code)
 """
 
 
 def test_a_forked_child_does_not_keep_the_servers_port() -> None:
     """vLLM forks its engine core on CUDA (spawns it on CPU, so the real start here cannot show
-    this): the child must not hold the port, or it would still listen after the server closed it
-    for a drain."""
+    this): the child must not hold the port, one process's or the API processes' sockets, or it
+    would still listen after they closed them for a drain."""
     done = subprocess.run(
         [sys.executable, "-c", FORKED_CHILD_CHECK], capture_output=True, text=True, timeout=120
     )

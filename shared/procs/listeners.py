@@ -10,13 +10,16 @@ added a shared load table to counter that). Per-process sockets need no such tab
 The sockets are bound here but not listening: uvicorn listens on its socket once its process has
 started (engine client, warm-up), so until then connections go to the processes that are
 serving, and with none serving they are refused, as with one process. The port is held from the
-bind on, so `--port 0` resolves once, here, for all of them.
+bind on, so `--port 0` resolves once, here, for all of them. A single process binds its port here
+too (shared/serve.py), without SO_REUSEPORT.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+from functools import partial
 
 from shared.errors import SetupError
 
@@ -42,6 +45,11 @@ def bound_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     except BaseException:
         close_all(sockets)
         raise
+    # On CUDA vLLM forks its engine core (the CPU build spawns it), after the port is bound. A
+    # forked child's copies would keep the port listening once the API processes closed theirs for
+    # a drain: connections made then would queue unanswered instead of being refused. So forked
+    # children drop their copies (the API processes are spawned and handed theirs on purpose).
+    os.register_at_fork(after_in_child=partial(close_all, sockets))
     return sockets
 
 
