@@ -233,20 +233,32 @@ def greedy_openai(url: str, model: str) -> list[str]:
     return texts
 
 
-# --- the two parts ----------------------------------------------------------------------------------------
+# --- the parts: cog, rest, again ---------------------------------------------------------------------------
+def cog_cache(work: Path) -> Path:
+    """The Cog boots' cache folder: the same path in every boot, as vLLM keys its cache by the
+    model's path (which lies under it)."""
+    return work / "cog-home" / ".cache" / "bundle"
+
+
+def boot_cog_from(
+    name: str, files: Files, tar: str, work: Path, timeout_s: float, **extra: str
+) -> dict[str, Any]:
+    """One Cog boot in an empty container, COG_WEIGHTS the URL of `tar` in `files`."""
+    env = fresh_env(
+        work / "cog-home", BUNDLE_CACHE_DIR=str(cog_cache(work)), COG_WEIGHTS=files.url(tar), **extra
+    )
+    return boot_cog(name, env, work, timeout_s)
+
+
 def part_cog(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
     model = Path(resolve_model_path(Settings()))  # a test fixture, built before any boot is timed
     files = Files(work / "http")
-    home = work / "cog-home"
-    cache = home / ".cache" / "bundle"  # same path in every boot: vLLM keys its cache by the model's path
     try:
         (files.folder / "weights.tar").write_bytes(weights_tar(model))
-        env = fresh_env(home, BUNDLE_CACHE_DIR=str(cache), COG_WEIGHTS=files.url("weights.tar"))
-        boots = {"cog-empty": boot_cog("cog-empty", env, work, timeout_s)}
-        packs = {"cog": make_pack(cache / ROOT_NAME, work / "cog-pack.tar")}
+        boots = {"cog-empty": boot_cog_from("cog-empty", files, "weights.tar", work, timeout_s)}
+        packs = {"cog": make_pack(cog_cache(work) / ROOT_NAME, work / "cog-pack.tar")}
         (files.folder / "weights-cache.tar").write_bytes(weights_tar(model, work / "cog-pack.tar"))
-        env = fresh_env(home, BUNDLE_CACHE_DIR=str(cache), COG_WEIGHTS=files.url("weights-cache.tar"))
-        boots["cog-pack"] = boot_cog("cog-pack", env, work, timeout_s)
+        boots["cog-pack"] = boot_cog_from("cog-pack", files, "weights-cache.tar", work, timeout_s)
     finally:
         files.close()
     return boots, packs
@@ -256,15 +268,18 @@ def part_rest(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, A
     if not (work / "cog-pack.tar").is_file():
         raise SystemExit(f"no {work / 'cog-pack.tar'}: run --part cog with this --work first")
     files = Files(work / "http")
-    home = work / "cog-home"
-    cache = home / ".cache" / "bundle"
     try:
         mismatched(work / "cog-pack.tar", files.folder / "mismatch.tar")
-        env = fresh_env(
-            home, BUNDLE_CACHE_DIR=str(cache), COG_WEIGHTS=files.url("weights.tar"),
-            BUNDLE_COMPILE_CACHE=files.url("mismatch.tar"),
-        )  # fmt: skip
-        boots = {"cog-mismatch": boot_cog("cog-mismatch", env, work, timeout_s)}
+        boots = {
+            "cog-mismatch": boot_cog_from(
+                "cog-mismatch",
+                files,
+                "weights.tar",
+                work,
+                timeout_s,
+                BUNDLE_COMPILE_CACHE=files.url("mismatch.tar"),
+            )
+        }
     finally:
         files.close()
     root = work / "serve-root"
@@ -294,13 +309,11 @@ def part_again(work: Path, timeout_s: float) -> tuple[dict[str, Any], dict[str, 
     index = 2
     while (work / f"cog-empty-{index}.log").exists():
         index += 1
-    home = work / "cog-home"
-    cache = home / ".cache" / "bundle"
-    boots = {}
     try:
-        for name, tar in ((f"cog-empty-{index}", "weights.tar"), (f"cog-pack-{index}", "weights-cache.tar")):
-            env = fresh_env(home, BUNDLE_CACHE_DIR=str(cache), COG_WEIGHTS=files.url(tar))
-            boots[name] = boot_cog(name, env, work, timeout_s)
+        boots = {
+            name: boot_cog_from(name, files, tar, work, timeout_s)
+            for name, tar in ((f"cog-empty-{index}", "weights.tar"), (f"cog-pack-{index}", "weights-cache.tar"))
+        }
     finally:
         files.close()
     return boots, {}
@@ -339,17 +352,19 @@ def checks(boots: dict[str, Any]) -> dict[str, Any]:
             slower = boots["cog-mismatch"]["ready_s"] / max(median_ready(boots, "cog-empty"), 1e-9)
             found["cog-mismatch_ready_vs_empty"] = round(slower, 3)
             found["cog-mismatch_not_slower"] = slower <= NOT_SLOWER_SLACK
-    found["bars_s"] = {
-        name: {
-            "bar": bar,
-            "ready_s": [boot["ready_s"] for boot in runs_of(boots, name)],
-            "median_s": median_ready(boots, name),
-            "met": median_ready(boots, name) <= bar,
-        }
-        for name, bar in BARS_S.items()
-        if name in boots
-    }
+    found["bars_s"] = {name: judged(boots, name, bar) for name, bar in BARS_S.items() if name in boots}
     return found
+
+
+def judged(boots: dict[str, Any], kind: str, bar: float) -> dict[str, Any]:
+    """One bar against the median boot of its kind, every boot's figure beside it."""
+    median = median_ready(boots, kind)
+    return {
+        "bar": bar,
+        "ready_s": [boot["ready_s"] for boot in runs_of(boots, kind)],
+        "median_s": median,
+        "met": median <= bar,
+    }
 
 
 def report(args: argparse.Namespace, boots: dict[str, Any], packs: dict[str, Any]) -> dict[str, Any]:

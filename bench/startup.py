@@ -29,7 +29,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from bench.servers import wait_healthy
+from bench.servers import free_port, wait_healthy
 from modal_app.caches import compile_cache_env
 from shared.settings import Settings
 
@@ -138,12 +137,6 @@ def phases(seen: dict[str, float]) -> dict[str, float]:
         result[name] = round(max(at - previous, 0.0), 3)
         previous = at
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager
