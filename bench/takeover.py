@@ -37,7 +37,12 @@ from bench.redis_overhead import local_store
 from bench.servers import bundle_command, free_port, running_server
 from bench.workload import Workload
 
-TAKEOVER_METRICS = ("bundle_takeovers_total", "bundle_takeover_seconds", "bundle_continued_tokens_total")
+TAKEOVER_METRICS = (
+    "bundle_takeovers_total",
+    "bundle_takeover_causes_total",
+    "bundle_takeover_seconds",
+    "bundle_continued_tokens_total",
+)
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Stream:
 
     index: int
     ids: list[int] = field(default_factory=list)  # event ids seen, in order
+    seen_at: list[float] = field(default_factory=list)  # monotonic time each of them arrived
     usage: dict[str, int] | None = None
     done: bool = False
     error: str | None = None
@@ -78,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"] = args.machine
     report["workload"] = {key: value for key, value in vars(args).items() if key != "redis"}
     (out / "takeover.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps({key: report[key] for key in ("streams", "kill_to_first_continued_s")}).decode())
+    print(
+        orjson.dumps(
+            {key: report[key] for key in ("streams", "kill_to_first_continued_s", "longest_stall_after_kill_s")}
+        ).decode()
+    )
     return 0 if report["streams"]["right"] == args.streams else 1
 
 
@@ -102,7 +112,8 @@ async def _run(
             at_kill = [len(stream.ids) for stream in streams]
             os.killpg(a_pid, signal.SIGKILL)  # the engine with it: a container that disappears
             killed_at = time.monotonic()
-            await _logged_by_a(args.redis, streams, args.seed)  # before B can take any over (>= 2 s)
+            # Before any client asks B (only a client's request makes B look at the owner).
+            await _logged_by_a(args.redis, streams, args.seed)
             killed.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     return _report(args, streams, at_kill, killed_at)
@@ -153,6 +164,7 @@ async def _read(
         async for line in response.aiter_lines():
             if line.startswith("id: "):
                 stream.ids.append(int(line[4:]))
+                stream.seen_at.append(time.monotonic())
                 if after_kill and stream.first_continued_at is None and stream.ids[-1] > stream.logged_by_a:
                     stream.first_continued_at = time.monotonic()
             elif line.startswith("data: "):
@@ -197,6 +209,7 @@ def _report(
         return stream.done and stream.error is None and numbered and counted
 
     waits = [s.first_continued_at - killed_at for s in streams if s.first_continued_at is not None]
+    stalls = [_stall_after(stream, at_kill[stream.index]) for stream in streams]
     return {
         "schema": "bundle-takeover/1",
         "streams": {
@@ -216,6 +229,9 @@ def _report(
             "max": max(waits, default=0.0),
             "count": len(waits),
         },
+        # The longest wait between two events a client read, from its last event before the kill
+        # to its end: what a reader feels of the takeover (the resume's round trip included).
+        "longest_stall_after_kill_s": {**percentiles(stalls), "max": max(stalls, default=0.0)},
         "per_stream": [
             {
                 "events": len(s.ids),
@@ -227,6 +243,11 @@ def _report(
             for s in streams
         ],
     }
+
+
+def _stall_after(stream: Stream, read_at_kill: int) -> float:
+    times = stream.seen_at[max(read_at_kill - 1, 0) :]
+    return max((later - earlier for earlier, later in zip(times, times[1:], strict=False)), default=0.0)
 
 
 def _metrics(url: str) -> dict[str, float]:

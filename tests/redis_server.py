@@ -32,9 +32,10 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *options: str) -> None:
         self.port = _free_port()
         self.workdir = workdir
+        self.options = list(options)  # more server options, e.g. "--rename-command", "CLIENT", ""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -43,7 +44,7 @@ class RedisServer:
 
     def start(self) -> None:
         command = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        command += ["--appendonly", "no", "--dir", str(self.workdir)]
+        command += ["--appendonly", "no", "--dir", str(self.workdir), *self.options]
         log = (self.workdir / "redis.log").open("ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

@@ -183,7 +183,7 @@ async def test_the_heartbeat_outlives_an_unexpected_error(
     once with something neither RedisError nor OSError): the heartbeat logs it, counts it and
     beats again, instead of dying and letting followers declare a live replica dead."""
     store = await live_store(redis_server, "beats-on")
-    real_set = store.client.set
+    real_set = store.control.set
     failures = []
 
     async def set_failing_once(*args: Any, **kwargs: Any) -> Any:
@@ -193,10 +193,10 @@ async def test_the_heartbeat_outlives_an_unexpected_error(
         return await real_set(*args, **kwargs)
 
     await store.client.delete(replica_key("beats-on"))
-    monkeypatch.setattr(store.client, "set", set_failing_once)
+    monkeypatch.setattr(store.control, "set", set_failing_once)
     await until(lambda: bool(failures), 10, "the failing beat")
     await until(lambda: store.client.exists(replica_key("beats-on")), 10, "the beat after it")
-    assert store.metrics.store_errors.labels("heartbeat")._value.get() == 1
+    assert store.metrics.store_errors.labels("heartbeat", "unexpected")._value.get() == 1
     await store.aclose()
 
 
@@ -208,7 +208,7 @@ async def test_the_heartbeat_comes_back_after_the_store_restarts(redis_server: R
     await until(lambda: store.client.exists(replica_key("beats-after-restart")), 10, "the first beat")
     redis_server.stop()
     try:
-        failed_beats = store.metrics.store_errors.labels("heartbeat")
+        failed_beats = store.metrics.store_errors.labels("heartbeat", "unreachable")
         await until(lambda: failed_beats._value.get() >= 1, 20, "a failed beat")
     finally:
         redis_server.start()
@@ -228,7 +228,7 @@ async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is
     try:
         writer.append("ends-in-outage", 1, DONE_DATA)
         writer.finish("ends-in-outage", Claim("fp", "owner-outage", True, state="completed"), None)
-        await until(lambda: owner.metrics.store_errors.labels("write")._value.get() >= 1, 20, "a failed flush")
+        await until(lambda: owner.metrics.store_errors.labels("write", "unreachable")._value.get() >= 1, 20, "a failed flush")
     finally:
         redis_server.start()
     await writer.drain(timeout_s=20)
@@ -383,7 +383,7 @@ async def test_store_outage_refuses_ids_serves_anonymous_and_recovers(redis_serv
         with pytest.raises(StoreUnavailable):
             await a.cancel("during-outage")
         assert b"[DONE]" in await drain((await a.open("chat", chat())).events())
-        assert a.metrics.store_errors.labels("claim")._value.get() >= 1
+        assert a.metrics.store_errors.labels("claim", "unreachable")._value.get() >= 1
     finally:
         redis_server.start()
     assert b"[DONE]" in await drain((await a.open("chat", chat(), "after-outage")).events())

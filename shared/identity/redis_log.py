@@ -28,7 +28,7 @@ from shared.identity.store import (
     BODY,
     CHECK_EVERY_S,
     DATA,
-    PRODUCER_LOST_BOUND_S,
+    HEARTBEAT_TTL_S,
     RECONNECT_S,
     RUNNING,
     TEXT,
@@ -483,8 +483,9 @@ class RemoteSubscription:
         claim = await self._rescue(self._request_id) if self._rescue is not None else None
         if claim is None:
             raise ProducerLost(
-                f"the replica running X-Request-Id {self._request_id!r} stopped (no heartbeat "
-                f"for {PRODUCER_LOST_BOUND_S:g} s); start again with a new X-Request-Id"
+                f"the replica running X-Request-Id {self._request_id!r} stopped (its store "
+                f"connection closed, or no heartbeat for {HEARTBEAT_TTL_S:g} s); start again with a "
+                "new X-Request-Id"
             )
         return claim.owner
 

@@ -10,7 +10,8 @@ replica when the one running it is lost.
 A resume never claims: a fresh generation under the old event ids would splice two texts.
 
 Takeover (BUNDLE_TAKEOVER, on by default): when the owner of a running generation is gone (its
-heartbeat, renewed every second, lapsed: the lease) or handed it over at shutdown, the replica
+store connection closed: it died; or its heartbeat lapsed: the lease, shared/identity/store.py) or
+handed it over at shutdown, the replica
 that a reader reaches swaps the claim to itself (TAKE_SCRIPT: of several that try, one wins) and
 continues the generation from its log on its own engine (`Service.continue_generation`), under
 the next event ids. Every write of the log is fenced by the writer's claim, so a replica that
@@ -170,7 +171,11 @@ class Replicas:
     async def _came_back(self, owner: str) -> bool:
         """Whether `owner`'s heartbeat is back within two beats. Seen in CI: a follower found
         a live owner's key missing for a moment, and "producer lost" cannot be taken back (the
-        client must start again with a new id), so it is said only after a second look."""
+        client must start again with a new id), so a lapsed lease is believed only after a
+        second look. A closed connection needs none: the process that held it is gone."""
+        now = await self.store.liveness(owner)
+        if now.alive or now.cause != "lease":
+            return now.alive
         deadline = time.monotonic() + 2 * HEARTBEAT_EVERY_S
         while time.monotonic() < deadline:
             await asyncio.sleep(HEARTBEAT_EVERY_S / 4)
@@ -200,12 +205,16 @@ class Replicas:
         held = await self.store.held(request_id)
         if held is None or not held.claim.running:
             return None if held is None else held.claim
-        if held.claim.owner == self.replica_id or await self.store.alive(held.claim.owner):
-            return held.claim  # taken over already (by this replica or another)
+        if held.claim.owner == self.replica_id:
+            return held.claim  # taken over already, by this replica
+        owner = await self.store.liveness(held.claim.owner)
+        if owner.alive:
+            return held.claim  # taken over already by another, or its owner is back
         new = replace(held.claim, owner=self.replica_id, epoch=held.claim.epoch + 1)
-        if not await self.store.take(request_id, held, new, self._claim_ttl_s):
+        if not await self.store.take(request_id, held, new, self._claim_ttl_s, owner.beat):
             self._metrics.takeovers.labels("lost_race").inc()
             return await self.store.get(request_id)
+        self._metrics.takeover_causes.labels(owner.cause or "lease").inc()
         entries, recipe = await self.store.log(request_id)
         logged = read_log(entries, recipe)
         if logged.end is not None:  # only the end was missing: write it, nothing to run

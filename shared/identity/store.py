@@ -17,8 +17,20 @@ Keys, one deployment per database (a second deployment uses another: redis://hos
   bundle:cancel:{rid}     pub/sub channel: ids the replica `rid` must abort
 
 Every round trip goes through `_trip`, which times it, counts its commands for /metrics and turns
-a connection failure into `StoreUnavailable` (HTTP 503). redis-py reconnects on the next command,
-so the bundle recovers without a restart when the server comes back.
+a failure into `StoreUnavailable` (HTTP 503): a refused or broken connection at once, and no answer
+only past ANSWER_BOUND_S of silence from the store while this process's loop ran on time
+(shared/redis_client.py `answer_bound`): a queued or slow round trip is counted as slow, never
+failed. redis-py reconnects on the next command, so the bundle recovers without a restart when
+the server comes back.
+
+Liveness. A replica holds one connection of its own (the control connection) and writes that
+connection's CLIENT ID into its heartbeat key every HEARTBEAT_EVERY_S. Another replica counts it
+dead when the key is gone (the lease, HEARTBEAT_TTL_S: what no socket shows, a frozen or cut-off
+host) or when that connection is no longer in the store's CLIENT LIST (a process that dies, is
+killed or runs out of memory closes its sockets at once: seen within DEATH_SEEN_BOUND_S). A process
+that is alive but slow (a late event loop, a starved CPU, a pause under SIGSTOP) keeps its socket
+open, so it is never taken for dead before its lease lapses. Stores that refuse CLIENT ID or
+CLIENT LIST (some managed services) leave the lease alone: one line at start says so.
 """
 
 from __future__ import annotations
@@ -33,27 +45,39 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.errors import StoreUnavailable
 from shared.obs.metrics import Metrics
-from shared.redis_client import redis_client
+from shared.redis_client import AnswerClock, answer_bound, redis_client
 
 log = logging.getLogger(__name__)
 
 PREFIX = "bundle:"
 RUNNING = "running"
-# Liveness. A replica refreshes its heartbeat every HEARTBEAT_EVERY_S; it lapses HEARTBEAT_TTL_S
-# after the last refresh. A follower blocks at most READ_BLOCK_MS per read, and every read after
-# an idle one also checks the owner's heartbeat (while events flow, every CHECK_EVERY_S). So after
-# the owner dies: its heartbeat lapses within HEARTBEAT_TTL_S, the read in flight ends within one
-# block, the next one checks and ends within another: PRODUCER_LOST_BOUND_S.
+# Liveness (module docstring). The lease: a heartbeat every HEARTBEAT_EVERY_S lapses HEARTBEAT_TTL_S
+# after the last one; long, because it only stands in for what a socket cannot show (a frozen or
+# partitioned host), and a live replica whose loop ran seconds late must not lose it. A follower
+# blocks at most READ_BLOCK_MS per read and checks the owner after every idle read (while events
+# flow, every CHECK_EVERY_S); whether the owner's connection stands is asked at most every
+# CONNECTION_FRESH_S per process. So a dead owner's connection is found gone within
+# DEATH_SEEN_BOUND_S (the read in flight, then one more with a cached answer); a lapsed lease within
+# PRODUCER_LOST_BOUND_S.
 HEARTBEAT_EVERY_S = 1.0
-HEARTBEAT_TTL_S = 3.0
-READ_BLOCK_MS = 1000  # below the client's socket timeout (shared/redis_client.py)
-CHECK_EVERY_S = 1.0
-PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 5 s
+HEARTBEAT_TTL_S = 10.0
+READ_BLOCK_MS = 200  # a follower's blocking read: it holds a connection of the read pool meanwhile
+CHECK_EVERY_S = 0.25
+CONNECTION_FRESH_S = 0.05
+DEATH_SEEN_BOUND_S = 2 * READ_BLOCK_MS / 1000 + CONNECTION_FRESH_S  # 0.45 s
+PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 10.4 s
 FOLLOW_TTL_S = 3.0  # a follower that stopped refreshing no longer holds the generation open
+# No answer from the store to this process for this long, while its loop ran on time: unreachable.
+ANSWER_BOUND_S = 5.0
+# Connections for followers' blocking reads, apart from the pool every other command uses: a
+# read holds its connection for up to READ_BLOCK_MS, and must never make a claim wait behind it.
+READ_CONNECTIONS = 512
 RECONNECT_S = 0.5  # pause between attempts of the background loops while the store is down
 
 
@@ -205,18 +229,37 @@ for g = 1, tonumber(ARGV[3]) do
 end
 return lost
 """
-# A takeover: the claim becomes the taker's only if it is still exactly what the taker read and
-# its owner's heartbeat has lapsed (or it was handed off: owner "", whose key never exists).
-# KEYS: the claim, the owner's heartbeat, the stream, the recipe. ARGV: the claim as read, the
-# new claim, the TTL (ms) of all three from now. 1: taken; 0: someone else holds it.
+# A takeover: the claim becomes the taker's only if it is still exactly what the taker read, and
+# its owner's heartbeat is gone (the lease lapsed, or it was handed off: owner "", whose key never
+# exists) or still holds exactly the beat the taker saw (the CLIENT ID of a connection the store no
+# longer has: if the owner came back on a new connection meanwhile, its beat differs and the take
+# is refused). KEYS: the claim, the owner's heartbeat, the stream, the recipe. ARGV: the claim as
+# read, the new claim, the TTL (ms) of all three from now, the beat seen ("": none).
+# 1: taken; 0: someone else holds it, or its owner is back.
 TAKE_SCRIPT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local beat = redis.call('GET', KEYS[2])
+if beat and beat ~= ARGV[4] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 redis.call('PEXPIRE', KEYS[4], ARGV[3])
 return 1
 """
+# A heartbeat's value: "c:<CLIENT ID of the control connection>", or LEASE_ONLY where the store
+# refuses CLIENT ID / CLIENT LIST (then the key alone says the replica is alive).
+CONNECTION_BEAT = b"c:"
+LEASE_ONLY = b"lease"
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Whether a replica runs, as the store can tell: `cause` says why not ("connection": its
+    control connection is gone; "lease": its heartbeat lapsed; "handoff": it handed the claim
+    over), and `beat` is the heartbeat seen (what a takeover must still find)."""
+
+    alive: bool
+    cause: str | None = None
+    beat: bytes = b""
 
 
 @dataclass
@@ -232,7 +275,17 @@ class IdentityStore:
     def __init__(self, url: str, replica_id: str, metrics: Metrics) -> None:
         self.replica_id = replica_id
         self.metrics = metrics
-        self.client = redis_client(url)  # timeouts and retry: shared/redis_client.py
+        # Timeouts, retry and the waiting pool: shared/redis_client.py. Three clients, so that no
+        # kind of command waits behind another: short commands; followers' blocking reads; and
+        # the control connection (one, never shared) whose CLIENT ID the heartbeat publishes.
+        self.client = redis_client(url)
+        self.reads = redis_client(url, connections=READ_CONNECTIONS)
+        self.control = redis_client(url, connections=1)
+        self.clock = AnswerClock()
+        # None until the first beat found out whether the store answers CLIENT ID / CLIENT LIST.
+        self.watch_connections: bool | None = None
+        self._connected: dict[int, tuple[float, bool]] = {}  # CLIENT ID -> (when asked, listed)
+        self._asking: dict[int, asyncio.Future[bool]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._scripts = {
             script: hashlib.sha1(script.encode()).hexdigest() for script in (APPEND_SCRIPT, TAKE_SCRIPT)
@@ -240,18 +293,26 @@ class IdentityStore:
 
     # --- accounting ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _trip(self, op: str, commands: int = 1) -> AsyncIterator[None]:
+    async def _trip(self, op: str, commands: int = 1, blocks_s: float = 0.0) -> AsyncIterator[None]:
+        """One round trip: counted, timed, bounded (ANSWER_BOUND_S of silence, on top of a blocking
+        read's own `blocks_s`), and failed as StoreUnavailable naming what went wrong."""
         self.metrics.store_round_trips.labels(op).inc()
         self.metrics.store_commands.labels(op).inc(commands)
         started = time.perf_counter()
         try:
-            yield
-        except (RedisError, OSError) as exc:
-            self.metrics.store_errors.labels(op).inc()
+            async with answer_bound(
+                ANSWER_BOUND_S + blocks_s, self.clock, self.metrics.store_slow.labels(op).inc
+            ):
+                yield
+        except (RedisError, OSError, TimeoutError) as exc:
+            kind = _error_kind(exc)
+            self.metrics.store_errors.labels(op, kind).inc()
             raise StoreUnavailable(
-                f"the shared request-identity store (Redis) is unavailable ({type(exc).__name__}); "
-                "requests with X-Request-Id cannot be served now, requests without one can"
+                f"the shared request-identity store (Redis) is unavailable ({type(exc).__name__}: "
+                f"{kind}); requests with X-Request-Id cannot be served now, requests without one can"
             ) from exc
+        else:
+            self.clock.answered()
         finally:
             self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
 
@@ -275,9 +336,9 @@ class IdentityStore:
             return None
         return HeldClaim(Claim.decode(raw), raw if isinstance(raw, bytes) else raw.encode())
 
-    async def take(self, request_id: str, held: HeldClaim, new: Claim, ttl_s: float) -> bool:
-        """Make `new` the claim if it is still `held` and its owner is gone (TAKE_SCRIPT): of
-        replicas that try at once, exactly one gets True."""
+    async def take(self, request_id: str, held: HeldClaim, new: Claim, ttl_s: float, beat: bytes) -> bool:
+        """Make `new` the claim if it is still `held` and its owner is still gone as `beat` said
+        (TAKE_SCRIPT): of replicas that try at once, exactly one gets True."""
         keys = [
             claim_key(request_id),
             replica_key(held.claim.owner),
@@ -285,13 +346,57 @@ class IdentityStore:
             recipe_key(request_id),
         ]
         async with self._trip("take", 4):
-            taken = await self._run(TAKE_SCRIPT, keys, [held.raw, new.encode(), _ms(ttl_s)])
+            taken = await self._run(TAKE_SCRIPT, keys, [held.raw, new.encode(), _ms(ttl_s), beat])
         return bool(taken)
 
-    async def alive(self, replica_id: str) -> bool:
-        """Whether the replica's heartbeat (its lease on the generations it runs) is current."""
+    # --- liveness -----------------------------------------------------------------------------
+    async def liveness(self, replica_id: str) -> Liveness:
+        """Whether `replica_id` runs (module docstring): its heartbeat, then its connection."""
+        if not replica_id:
+            return Liveness(False, "handoff")
         async with self._trip("alive"):
-            return bool(await self.client.exists(replica_key(replica_id)))
+            beat = await self.client.get(replica_key(replica_id))
+        return await self._judge(beat)
+
+    async def alive(self, replica_id: str) -> bool:
+        return (await self.liveness(replica_id)).alive
+
+    async def _judge(self, beat: bytes | str | None) -> Liveness:
+        """A heartbeat's verdict: none is a lapsed lease; a connection's id must still be listed."""
+        if beat is None:
+            return Liveness(False, "lease")
+        if isinstance(beat, str):  # a client that decodes answers (never this module's)
+            beat = beat.encode()
+        if not beat.startswith(CONNECTION_BEAT):
+            return Liveness(True, beat=beat)  # LEASE_ONLY: the key alone says it
+        if await self._listed(int(beat[len(CONNECTION_BEAT) :])):
+            return Liveness(True, beat=beat)
+        return Liveness(False, "connection", beat)
+
+    async def _listed(self, client_id: int) -> bool:
+        """Whether the store still has connection `client_id` (CLIENT LIST ID), asked at most every
+        CONNECTION_FRESH_S by this process: concurrent askers share one question."""
+        known = self._connected.get(client_id)
+        if known is not None and time.monotonic() - known[0] <= CONNECTION_FRESH_S:
+            return known[1]
+        asking = self._asking.get(client_id)
+        if asking is not None:
+            return await asyncio.shield(asking)
+        asking = self._asking[client_id] = asyncio.get_running_loop().create_future()
+        try:
+            async with self._trip("connected"):
+                listed = bool(await self.client.client_list(client_id=[client_id]))
+        except BaseException as exc:
+            asking.set_exception(exc)
+            asking.exception()  # retrieved: waiters, if any, raise it themselves
+            raise
+        finally:
+            del self._asking[client_id]
+        if len(self._connected) > 4096:  # ids of connections long gone
+            self._connected.clear()
+        self._connected[client_id] = (time.monotonic(), listed)
+        asking.set_result(listed)
+        return listed
 
     async def log(self, request_id: str) -> tuple[list[tuple[int, dict[bytes, bytes]]], bytes | None]:
         """Every entry of a generation's stream, and its recipe (None: none was written)."""
@@ -310,12 +415,7 @@ class IdentityStore:
         claims = {rid: Claim.decode(raw) for rid, raw in zip(request_ids, raws, strict=True) if raw is not None}
         running = {rid: claim for rid, claim in claims.items() if claim.running}
         owners = sorted({claim.owner for claim in running.values()})
-        if not owners:
-            return []
-        async with self._trip("orphans", len(owners)), self.client.pipeline(transaction=False) as pipe:
-            for owner in owners:
-                pipe.exists(replica_key(owner))
-            alive = dict(zip(owners, await pipe.execute(), strict=True))
+        alive = {owner: (await self.liveness(owner)).alive for owner in owners}
         return [rid for rid, claim in running.items() if not alive[claim.owner]]
 
     async def release(self, request_id: str) -> None:
@@ -329,20 +429,25 @@ class IdentityStore:
         async with self._trip("view", 3), self.client.pipeline(transaction=False) as pipe:
             pipe.xrange(key, "-", "+", count=1)
             pipe.xrevrange(key, "+", "-", count=1)
-            pipe.exists(replica_key(owner))
-            first, last, alive = await pipe.execute()
-        return StreamView(_first_sequence(first), _first_sequence(last), bool(alive))
+            pipe.get(replica_key(owner))
+            first, last, beat = await pipe.execute()
+        alive = bool(owner) and (await self._judge(beat)).alive
+        return StreamView(_first_sequence(first), _first_sequence(last), alive)
 
     async def read(self, request_id: str, after: int, owner: str | None) -> ReadStep:
         """Events after `after`, waiting up to READ_BLOCK_MS for some. With `owner`, the same
-        round trip also refreshes this follower's presence and checks the owner and the claim
-        (before the read, so 'alive and nothing came' means: nothing yet)."""
+        round trip also refreshes this follower's presence and reads the owner's heartbeat and
+        the claim (before the read, so 'alive and nothing came' means: nothing yet); whether the
+        owner's connection stands is asked after it."""
         key = events_key(request_id)
         commands = 4 if owner is not None else 1
-        async with self._trip("read", commands), self.client.pipeline(transaction=False) as pipe:
+        async with (
+            self._trip("read", commands, READ_BLOCK_MS / 1000),
+            self.reads.pipeline(transaction=False) as pipe,
+        ):
             if owner is not None:
                 pipe.set(follow_key(request_id), b"1", px=_ms(FOLLOW_TTL_S))
-                pipe.exists(replica_key(owner))
+                pipe.get(replica_key(owner))
                 pipe.get(claim_key(request_id))
             pipe.xread({key: f"{after}-0"}, count=4096, block=READ_BLOCK_MS)
             results = await pipe.execute()
@@ -350,7 +455,8 @@ class IdentityStore:
         if owner is None:
             return ReadStep(entries, None, None)
         raw_claim = results[2]
-        return ReadStep(entries, bool(results[1]), None if raw_claim is None else Claim.decode(raw_claim))
+        alive = bool(owner) and (await self._judge(results[1])).alive
+        return ReadStep(entries, alive, None if raw_claim is None else Claim.decode(raw_claim))
 
     async def followers_left_s(self, request_id: str) -> float:
         """Seconds until the last follower elsewhere lapses if it stops reading; 0: none."""
@@ -391,14 +497,46 @@ class IdentityStore:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                async with self._trip("heartbeat"):
-                    await self.client.set(replica_key(self.replica_id), b"1", px=_ms(HEARTBEAT_TTL_S))
+                await self._beat()
             except StoreUnavailable:
                 pass  # counted in /metrics; retried next beat
             except Exception:  # a dead heartbeat task would declare this live replica dead
-                self.metrics.store_errors.labels("heartbeat").inc()
+                self.metrics.store_errors.labels("heartbeat", "unexpected").inc()
                 log.exception("heartbeat to the identity store failed unexpectedly; retrying")
             await asyncio.sleep(HEARTBEAT_EVERY_S)
+
+    async def _beat(self) -> None:
+        """Write the lease, naming the control connection it stands on (its CLIENT ID)."""
+        if self.watch_connections is None:
+            self.watch_connections = await self._can_watch_connections()
+        beat = LEASE_ONLY
+        if self.watch_connections:
+            async with self._trip("heartbeat"):
+                beat = CONNECTION_BEAT + str(await self.control.client_id()).encode()
+        async with self._trip("heartbeat"):
+            await self.control.set(replica_key(self.replica_id), beat, px=_ms(HEARTBEAT_TTL_S))
+
+    async def _can_watch_connections(self) -> bool:
+        """Whether the store answers CLIENT ID and CLIENT LIST ID (said once, in one line)."""
+        try:
+            async with self._trip("heartbeat", 2):
+                own = await self.control.client_id()
+                listed = await self.control.client_list(client_id=[own])
+        except StoreUnavailable as unavailable:
+            if not isinstance(unavailable.__cause__, ResponseError):
+                raise  # the store is down: ask again at the next beat
+            listed = []
+        if listed:
+            log.info(
+                "replica liveness: by connection (CLIENT LIST), the %g s lease as fallback", HEARTBEAT_TTL_S
+            )
+            return True
+        log.warning(
+            "replica liveness: the store refuses CLIENT ID / CLIENT LIST, so a replica's death is "
+            "seen only when its %g s heartbeat lease lapses",
+            HEARTBEAT_TTL_S,
+        )
+        return False
 
     async def _listen(self, on_cancel: Callable[[str], None]) -> None:
         while True:
@@ -409,10 +547,10 @@ class IdentityStore:
                         if message.get("type") == "message":
                             on_cancel(message["data"].decode())
             except (RedisError, OSError) as exc:
-                self.metrics.store_errors.labels("listen").inc()
+                self.metrics.store_errors.labels("listen", _error_kind(exc)).inc()
                 log.debug("cancel channel lost (%s); subscribing again", exc)
             except Exception:  # a dead listener would leave cancels sent from elsewhere unheard
-                self.metrics.store_errors.labels("listen").inc()
+                self.metrics.store_errors.labels("listen", "unexpected").inc()
                 log.exception("cancel channel failed unexpectedly; subscribing again")
             await asyncio.sleep(RECONNECT_S)
 
@@ -422,7 +560,18 @@ class IdentityStore:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.client.delete(replica_key(self.replica_id))  # followers learn at once
-        await self.client.aclose()
+        for client in (self.control, self.reads, self.client):
+            await client.aclose()
+
+
+def _error_kind(exc: BaseException) -> str:
+    """What failed, for /metrics: `unreachable` (refused or broken connection), `no_answer`
+    (ANSWER_BOUND_S of silence), or `error` (the store answered with an error)."""
+    if isinstance(exc, TimeoutError | RedisTimeoutError):
+        return "no_answer"
+    if isinstance(exc, RedisConnectionError | OSError):
+        return "unreachable"
+    return "error"
 
 
 def _ms(seconds: float) -> int:

@@ -138,6 +138,14 @@ class Metrics:
         self.continued_tokens = Counter(
             "bundle_continued_tokens", "Tokens generated here for generations taken over.", registry=r
         )
+        self.takeover_causes = Counter(
+            "bundle_takeover_causes",
+            "Takeovers this replica made, by how the producer was found lost: connection (its "
+            "store connection closed: it died), lease (its heartbeat lapsed: frozen or cut off), "
+            "handoff (it handed the generation over at shutdown).",
+            ["cause"],
+            registry=r,
+        )
         self.claims_lost = Counter(
             "bundle_claims_lost",
             "Generations stopped here because another replica took them over meanwhile (this one "
@@ -182,7 +190,21 @@ class Metrics:
             "bundle_store_commands", "Commands sent to the identity store.", ["op"], registry=r
         )
         self.store_errors = Counter(
-            "bundle_store_errors", "Identity store round trips that failed.", ["op"], registry=r
+            "bundle_store_errors",
+            "Identity store round trips that failed, by kind: unreachable (connection refused or "
+            "broken: the store is down), no_answer (no answer from the store to this process for "
+            "the answer bound while its loop ran on time), error (the store answered an error), "
+            "unexpected (a fault of the client).",
+            ["op", "kind"],
+            registry=r,
+        )
+        self.store_slow = Counter(
+            "bundle_store_slow",
+            "Identity store round trips still waiting at the answer bound while the store answered "
+            "others (queued or slow) or this process's loop ran late: waited for, not failed. "
+            "Store slow, not store down.",
+            ["op"],
+            registry=r,
         )
         self.store_latency = Histogram(
             "bundle_store_latency_seconds",
