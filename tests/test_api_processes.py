@@ -10,6 +10,7 @@ order and ends with its engine's death; a second one is ended by SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import signal
@@ -22,6 +23,7 @@ import httpx
 import orjson
 import pytest
 
+from bench.identity_burst import burst
 from shared.obs.process_metrics import PUBLISH_INTERVAL_S
 from shared.server_state import ENGINE_DEAD_EXIT_CODE
 from tests.conftest import long_chat, wait_until
@@ -129,6 +131,18 @@ def test_one_request_id_sent_to_both_processes_runs_one_generation(running: Runn
     assert texts_of(owner) and owner == follower  # the same events, ids and all
     assert settled(pins, GENERATIONS) == before + 1
     assert settled(pins, "bundle_attached_requests_total") == attached + 1
+
+
+def test_a_burst_of_ids_fails_none_and_runs_one_generation_per_id(running: Running) -> None:
+    """Full load (issue 48): 256 streams with ids at once and 64 of them again, spread over both
+    processes by the kernel as new connections come: no answer but 200 (the local store holds),
+    every client of an id the same bytes, one engine generation per id."""
+    pins = running.pins
+    before = settled(pins, GENERATIONS)
+    result = asyncio.run(burst([running.server.url], streams=256, duplicates=64))
+    assert result.non_2xx == 0, result.failures
+    assert not result.differing_ids
+    assert settled(pins, GENERATIONS) - before == 256
 
 
 def test_a_stream_cut_on_one_process_resumes_on_the_other(running: Running) -> None:

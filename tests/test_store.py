@@ -228,7 +228,8 @@ async def test_an_end_written_during_a_store_outage_is_written_once_the_store_is
     try:
         writer.append("ends-in-outage", 1, DONE_DATA)
         writer.finish("ends-in-outage", Claim("fp", "owner-outage", True, state="completed"), None)
-        await until(lambda: owner.metrics.store_errors.labels("write", "unreachable")._value.get() >= 1, 20, "a failed flush")
+        failed_writes = owner.metrics.store_errors.labels("write", "unreachable")
+        await until(lambda: failed_writes._value.get() >= 1, 20, "a failed flush")
     finally:
         redis_server.start()
     await writer.drain(timeout_s=20)

@@ -35,6 +35,7 @@ import openai
 import orjson
 import pytest
 
+from bench.identity_burst import burst
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
 from shared.engine.contract import SamplingRequest
@@ -291,6 +292,48 @@ def wait_held(gate: FileGate, count: int) -> None:
     except AssertionError:
         held = gate.held_log.read_text() if gate.held_log.exists() else ""
         raise AssertionError(f"{gate.held()} generations held, not {count}:\n{held}") from None
+
+
+# --- full load: no 503 from the store, no live replica taken over ----------------------------------
+async def test_a_burst_of_ids_over_both_replicas_fails_none_and_generates_once_per_id(cluster: Cluster) -> None:
+    """256 streams with ids at once, and 64 of them again on the other replica (issue 48): no
+    answer but 200, every client of an id the same bytes, one engine generation per id."""
+    result = await burst([cluster.a.url, cluster.b.url], streams=256, duplicates=64)
+    assert result.non_2xx == 0, result.failures
+    assert not result.differing_ids
+    assert result.generations == 256
+
+
+async def test_a_replica_frozen_for_six_seconds_is_not_taken_over(cluster: Cluster) -> None:
+    """A's whole process group stopped (SIGSTOP: its sockets stay open, its loop and beats stop)
+    for 6 s, under its 10 s lease, while a client follows its stream on B: B does not take it
+    over, both clients get the same whole stream, and A's one generation is the only one."""
+    a, b = cluster.a_alive(), cluster.b
+    counts = {
+        "takeovers": b.metric("bundle_takeovers_total"),
+        "lost": a.metric("bundle_claims_lost_total"),
+        "generations": a.metric("bundle_engine_generations_total")
+        + b.metric("bundle_engine_generations_total"),
+    }
+    a.gate.set(HANDOFF_AFTER)
+    held = a.gate.held()
+    async with streaming(a.url, story(), "frozen") as on_a:
+        await asyncio.to_thread(wait_held, a.gate, held + 1)
+        async with streaming(b.url, story(), "frozen") as on_b:
+            await asyncio.gather(on_a.events(1), on_b.events(1))
+            os.killpg(a.process.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(6)
+            finally:
+                os.killpg(a.process.pid, signal.SIGCONT)
+            a.gate.set(None)
+            whole_a, whole_b = await asyncio.gather(on_a.rest(), on_b.rest())
+    whole_and_numbered(whole_a)
+    assert whole_a == whole_b
+    assert b.metric("bundle_takeovers_total") == counts["takeovers"]
+    assert a.metric("bundle_claims_lost_total") == counts["lost"]
+    generations = a.metric("bundle_engine_generations_total") + b.metric("bundle_engine_generations_total")
+    assert generations - counts["generations"] == 1
 
 
 # --- SIGTERM: the drain hands streams over ---------------------------------------------------------

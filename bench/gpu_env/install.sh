@@ -12,9 +12,21 @@ for first in *.whl.part00; do
   cat "$w".part[0-9][0-9] > "$w.tmp" && mv "$w.tmp" "$w" && rm -f "$w".part[0-9][0-9]
 done
 [ -f SHA256SUMS ] || { echo "no SHA256SUMS in $W: a chunk is missing (check with ls $W)"; exit 1; }
-if ! sha256sum --quiet -c SHA256SUMS; then echo "wheels missing or damaged: send those chunks again"; exit 1; fi
+# cuBLAS, cuDNN and cuSPARSELt are sent last and may be left out: the image's own then serve
+# (prepare.sh). A part of one without the rest is left out too.
+late='nvidia_cublas-|nvidia_cudnn_cu13-|nvidia_cusparselt_cu13-'
+rm -f $(ls | grep -E "^($late).*\.part[0-9][0-9]$" || true)
+missing=$(awk '{print $2}' SHA256SUMS | while read -r w; do [ -f "$w" ] || echo "$w"; done)
+if echo "$missing" | grep -v '^$' | grep -qvE "^($late)"; then
+  echo "wheels missing: $(echo "$missing" | grep -vE "^($late)" | tr '\n' ' ')- send those chunks again"; exit 1
+fi
+[ -z "$missing" ] || echo "left out, the image's own used: $(echo "$missing" | tr '\n' ' ')"
+if ! sha256sum --quiet --ignore-missing -c SHA256SUMS; then echo "wheels damaged: send those chunks again"; exit 1; fi
 if [ -d "$T"/vllm-0.32.0.dist-info ] && [ -d "$T"/torch-2.13.0.dist-info ]; then
-  echo "$T already installed"
+  # late wheels sent after a first install: add them
+  new=$(for w in "$W"/*.whl; do n=$(basename "$w" | cut -d- -f1-2); ls -d "$T/$n".dist-info > /dev/null 2>&1 || echo "$w"; done)
+  [ -z "$new" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T" $new
+  echo "$T installed"
 else
   rm -rf "$T"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T" "$W"/*.whl

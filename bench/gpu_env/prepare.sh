@@ -57,7 +57,11 @@ for line in open(sys.argv[1]):
         if f is None:
             sys.exit(f"no wheel for {line} in .gpu32/all")
         wheels.append(f)
+# Sent last, and only if the image's own (cuBLAS 13.1.0.3, cuDNN 9.19, cuSPARSELt 0.8.0: same sonames,
+# one minor or patch release older than torch 2.13's pins) do not serve: install.sh runs without them.
+LATE = {"nvidia_cublas", "nvidia_cudnn_cu13", "nvidia_cusparselt_cu13"}
 chunks, items = [], []          # items: (size, name, source path, offset)
+late_chunks, late_items = [], []
 sums = []
 for f in wheels:
     p = os.path.join(".gpu32/all", f)
@@ -67,26 +71,32 @@ for f in wheels:
         for b in iter(lambda: fh.read(1 << 22), b""):
             h.update(b)
     sums.append(f"{h.hexdigest()}  {f}\n")
+    late = norm(f.split("-")[0]) in LATE
+    whole, loose = (late_chunks, late_items) if late else (chunks, items)
     if size <= LIMIT:
-        items.append((size, f, p, None))
+        loose.append((size, f, p, None))
         continue
     n = 0
     for off in range(0, size, LIMIT):
         part = min(LIMIT, size - off)
         entry = (part, f"{f}.part{n:02d}", p, off)
-        (chunks.append([entry]) if part == LIMIT else items.append(entry))
+        (whole.append([entry]) if part == LIMIT else loose.append(entry))
         n += 1
 sums_text = "".join(sums).encode()
 items.append((len(sums_text), "SHA256SUMS", None, None))
-bins = []
-for it in sorted(items, key=lambda x: -x[0]):
-    for b in bins:
-        if sum(x[0] for x in b) + it[0] <= LIMIT:
-            b.append(it)
-            break
-    else:
-        bins.append([it])
-chunks += bins
+def pack(loose):
+    bins = []
+    for it in sorted(loose, key=lambda x: -x[0]):
+        for b in bins:
+            if sum(x[0] for x in b) + it[0] <= LIMIT:
+                b.append(it)
+                break
+        else:
+            bins.append([it])
+    return bins
+chunks += pack(items)
+print(f"chunks c{len(chunks):02d} and after: the image-replaceable libraries ({', '.join(sorted(LATE))})")
+chunks += late_chunks + pack(late_items)
 for i, chunk in enumerate(chunks):
     d = f".gpu32/c{i:02d}"
     os.makedirs(d)
