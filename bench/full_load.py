@@ -47,51 +47,69 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report_path = out / "full-load.json"
     report: dict[str, Any] = orjson.loads(report_path.read_bytes()) if report_path.exists() else {}
-    report["machine"] = args.machine
+    report["machine"] = args.machine or report.get("machine", "")
     if args.part == "procs":
         report["procs"] = _procs(args, out)
-        ok = all(run["failed"] == 0 for level in report["procs"]["levels"] for run in level["runs"])
-    else:
+    elif args.part == "ceiling":
+        report["ceiling"] = _offline_throughput(args, out)
+    elif args.part == "replicas":
         report["replicas"] = _replicas(args, out)
-        ok = all(r["non_2xx"] == 0 and not r["differing_ids"] for r in report["replicas"]["runs"])
+    else:  # collect: the report of a run whose command was cut short, from the files it left
+        report["procs"] = {"api_processes": args.api_processes, "levels": _levels(out), "server_metrics": None}
+        if (out / "offline-throughput.json").exists():
+            report["ceiling"] = _ceiling(out / "offline-throughput.json", args.output_tokens)
+    if "procs" in report and "ceiling" in report:
+        ceiling = report["ceiling"]["output_tok_s"]
+        report["procs"]["of_offline"] = {
+            str(level["streams"]): round(level["output_tok_s"] / ceiling, 3)
+            for level in report["procs"]["levels"]
+        }
     report_path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    print(orjson.dumps({args.part: _summary(report[args.part])}, option=orjson.OPT_INDENT_2).decode())
-    return 0 if ok else 1
+    shown = "procs" if args.part == "collect" else args.part
+    print(orjson.dumps({shown: _summary(report[shown])}, option=orjson.OPT_INDENT_2).decode())
+    return 0 if _kept_promises(report.get(shown, {})) else 1
 
 
-# --- procs: vLLM's client against N API processes, then the offline ceiling ---------------------------
-def _procs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def _kept_promises(part: dict[str, Any]) -> bool:
+    """No failed request (procs), no non-2xx and one text per id (replicas)."""
+    if "levels" in part:
+        return all(run["failed"] == 0 for level in part["levels"] for run in level["runs"])
+    if "runs" in part:
+        return all(r["non_2xx"] == 0 and not r["differing_ids"] for r in part["runs"])
+    return True
+
+
+# --- procs: vLLM's client against N API processes; the ceiling: vLLM's offline throughput -------------
+def _model() -> str:
     from shared.engine.vllm import resolve_model_path
     from shared.settings import Settings
 
-    model = str(resolve_model_path(Settings()))
+    return str(resolve_model_path(Settings()))
+
+
+def _procs(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    model = _model()
     port = free_port()
     env = {**os.environ, "BUNDLE_API_PROCESSES": str(args.api_processes), "BUNDLE_PORT": str(port)}
     url = f"http://127.0.0.1:{port}"
-    levels = []
     with running_server(bundle_command(port), port, out / "procs-server.log", env):
         for level in args.levels:
-            runs = [_vllm_bench_serve(args, url, model, level, run, out) for run in range(args.runs)]
-            levels.append({"streams": level, "runs": runs, **_medians(runs)})
+            for run in range(args.runs):
+                _vllm_bench_serve(args, url, model, level, run, out)
         metrics = _metrics(url)
-    ceiling = _offline_throughput(args, model, out) if args.offline else None
-    return {
-        "api_processes": args.api_processes,
-        "levels": levels,
-        "server_metrics": metrics,
-        "offline_throughput": ceiling,
-        "of_offline": {
-            str(level["streams"]): round(level["output_tok_s"] / ceiling["output_tok_s"], 3)
-            for level in levels
-            if ceiling
-        },
-    }
+    return {"api_processes": args.api_processes, "levels": _levels(out), "server_metrics": metrics}
 
 
-def _vllm_bench_serve(
-    args: argparse.Namespace, url: str, model: str, level: int, run: int, out: Path
-) -> dict[str, Any]:
-    name = f"serve-c{level}-r{run}.json"
+def _levels(out: Path) -> list[dict[str, Any]]:
+    """Each level's runs, read back from the results vLLM's client saved (serve-c<level>-r<run>.json)."""
+    found: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(out.glob("serve-c*-r*.json")):
+        level = int(re.match(r"serve-c(\d+)-r\d+\.json", path.name).group(1))  # type: ignore[union-attr]
+        found.setdefault(level, []).append(_serve_result(path))
+    return [{"streams": level, "runs": runs, **_medians(runs)} for level, runs in sorted(found.items())]
+
+
+def _vllm_bench_serve(args: argparse.Namespace, url: str, model: str, level: int, run: int, out: Path) -> None:
     command = [
         sys.executable, str(Path(__file__).with_name("vllm_client.py")),
         "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url,
@@ -100,11 +118,14 @@ def _vllm_bench_serve(
         "--random-output-len", str(args.output_tokens), "--ignore-eos",
         "--num-prompts", str(args.prompts_per_stream * level), "--max-concurrency", str(level),
         "--seed", str(1000 * level + run),  # unique prompts per run: no prefix-cache hits between runs
-        "--save-result", "--result-dir", str(out), "--result-filename", name,
+        "--save-result", "--result-dir", str(out), "--result-filename", f"serve-c{level}-r{run}.json",
     ]  # fmt: skip
     with (out / "vllm-bench-serve.log").open("ab") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
-    found = json.loads((out / name).read_text())
+
+
+def _serve_result(path: Path) -> dict[str, Any]:
+    found = json.loads(path.read_text())
     return {
         "completed": int(found.get("completed", 0)),
         "failed": int(found.get("failed", 0)),
@@ -124,26 +145,26 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _offline_throughput(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
-    """vLLM's `bench throughput` on the served shape (the engine alone, no serving layer)."""
+def _offline_throughput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """vLLM's `bench throughput` on the served shape (the engine alone, no serving layer), on as
+    many prompts as one run of the first level sends."""
     from shared.engine.vllm import engine_args
     from shared.settings import Settings
 
-    settings = Settings()
-    on_cpu = not _has_cuda()
-    resolved = engine_args(settings, on_cpu=on_cpu)  # the engine arguments the server ran with
+    model = _model()
+    resolved = engine_args(Settings(), on_cpu=not _has_cuda())  # the engine arguments the server ran with
     result = out / "offline-throughput.json"
     code = (
         "import sys; from vllm.benchmarks.throughput import add_cli_args, main; "
         "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
         "p = P(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
     )
-    prompts = args.prompts_per_stream * max(args.levels)
     command = [
         sys.executable, "-c", code, "--model", model, "--tokenizer", model,
         "--load-format", str(resolved.load_format), "--dtype", str(resolved.dtype),
         "--dataset-name", "random", "--random-input-len", str(args.prompt_tokens),
-        "--random-output-len", str(args.output_tokens), "--num-prompts", str(prompts),
+        "--random-output-len", str(args.output_tokens),
+        "--num-prompts", str(args.prompts_per_stream * args.levels[0]),
         "--max-num-seqs", str(resolved.max_num_seqs), "--max-model-len", str(resolved.max_model_len),
         "--gpu-memory-utilization", str(resolved.gpu_memory_utilization), "--output-json", str(result),
     ]  # fmt: skip
@@ -151,11 +172,14 @@ def _offline_throughput(args: argparse.Namespace, model: str, out: Path) -> dict
         command.append("--enforce-eager")
     with (out / "offline-throughput.log").open("wb") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return _ceiling(result, args.output_tokens)
+
+
+def _ceiling(result: Path, output_tokens: int) -> dict[str, Any]:
     found = json.loads(result.read_text())
-    tokens_per_s = float(found["tokens_per_second"])
-    total = float(found.get("total_num_tokens") or 0)
-    # `tokens_per_second` counts prompt and output tokens; output tok/s is its output share.
-    output_share = (prompts * args.output_tokens / total) if total else 0.0
+    tokens_per_s = float(found["tokens_per_second"])  # prompt and output tokens
+    prompts = int(found["num_requests"])
+    output_share = prompts * output_tokens / float(found["total_num_tokens"])
     return {"prompts": prompts, "tokens_per_s": tokens_per_s, "output_tok_s": tokens_per_s * output_share}
 
 
@@ -210,7 +234,9 @@ def _summary(part: dict[str, Any]) -> dict[str, Any]:
         return {
             str(level["streams"]): {key: level[key] for key in ("failed", "output_tok_s", "ttft_p50_ms")}
             for level in part["levels"]
-        } | {"of_offline": part["of_offline"], "store": part["server_metrics"]}
+        } | {"of_offline": part.get("of_offline"), "store": part["server_metrics"]}
+    if "output_tok_s" in part:
+        return part
     return {
         "non_2xx": [r["non_2xx"] for r in part["runs"]],
         "generations": [r["generations"] for r in part["runs"]],
@@ -219,14 +245,13 @@ def _summary(part: dict[str, Any]) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("procs", "replicas"), required=True)
+    parser.add_argument("--part", choices=("procs", "ceiling", "replicas", "collect"), required=True)
     parser.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompts-per-stream", type=int, default=3, help="requests per run: this x the level")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--api-processes", type=int, default=4)
-    parser.add_argument("--no-offline", dest="offline", action="store_false", help="skip `bench throughput`")
     parser.add_argument("--burst", type=int, default=1024, help="replicas: streams with ids per run")
     parser.add_argument("--memory", type=float, default=None, help="replicas: each one's GPU memory share")
     parser.add_argument("--machine", default="")

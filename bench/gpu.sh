@@ -68,7 +68,8 @@
 #      Every report's machine line names the vLLM, torch and CUDA it ran on.
 #   full load (issue 48), each one command of ~5-8 min (bench/full_load.py):
 #      run(carry=[".whl"], "bash bench/gpu.sh full-load-procs")     # 1B, 4 API processes, vLLM's client
-#      run("bash bench/gpu.sh full-load-replicas")                   # 1B, two replicas, identity bursts
+#      run("bash bench/gpu.sh full-load-ceiling")                    # 1B, vLLM's offline bench throughput
+#      run("BUNDLE_MAX_IN_FLIGHT=1024 bash bench/gpu.sh full-load-replicas")  # 1B, two replicas, bursts
 #      run("bash bench/gpu.sh takeover")                             # 8B, 64 streams, kill -> continued
 #      -> $OUT/full-load/full-load.json + logs; $OUT/takeover/takeover.json
 #   several API processes on one engine core (issue 39), three commands, each about 4-6 min:
@@ -673,16 +674,19 @@ assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "sn
     cp $guard/seen.log "${OUT:-/tmp/out}/tp2/cog/multicast-env.log" 2> /dev/null || true  # coglet's worker's line
     tp2_note cog
     exit $status ;;
-  full-load-procs|full-load-replicas)  # issue 48: request identity at full load (bench/full_load.py)
+  full-load-procs|full-load-ceiling|full-load-replicas)  # issue 48: identity at full load (bench/full_load.py)
     # Llama-3.2-1B's shape, where a small model on a fast GPU makes the API processes the bottleneck.
     # procs: 4 API processes (their local valkey), vLLM's own client at 512 and 1,024 streams, 3 runs
-    # each, then vLLM's offline `bench throughput` (the ceiling); replicas: two one-process servers on
-    # the one GPU (0.4 of its memory each) sharing a valkey-server, bursts of 1,024 streams with ids
-    # (512 a replica) and 256 of them again on the other, 3 runs.
+    # each (~8 min on 0.32.0); ceiling: vLLM's offline `bench throughput` on the same shape and 1,536
+    # prompts (~2 min); replicas: two one-process servers on the one GPU (0.4 of its memory each)
+    # sharing a valkey-server, bursts of 1,024 streams with ids (512 a replica) and 256 of them again
+    # on the other (BUNDLE_MAX_IN_FLIGHT=1024: 512 of a replica's own plus leftovers of the last burst
+    # meet the default cap of 512, a 429 by design), 3 runs.
     export BUNDLE_TINY_MODEL_SHAPE=llama3-1b BUNDLE_MAX_NUM_SEQS=512
     status=0
     case "$stage" in
       full-load-procs) part=(--part procs --levels "${BENCH_LEVELS:-512,1024}") ;;
+      full-load-ceiling) part=(--part ceiling --levels 512) ;;
       full-load-replicas) part=(--part replicas --burst 1024 --memory "${BENCH_REPLICA_MEMORY:-0.4}") ;;
     esac
     timeout -k 10 570 python3 -m bench.full_load "${part[@]}" --runs "${BENCH_ROUNDS:-3}" --machine "$machine" \
@@ -693,6 +697,6 @@ assert not hooks["enter_pre_snapshot"] and not hooks["enter_post_snapshot"], "sn
     exit $status ;;
   procs-1b|procs-1b-n|procs-8b)  # several API processes on one engine core (issue 39): bench/procs_stages.sh
     BENCH_MACHINE="$machine" BENCH_CLIENTS="$clients" BENCH_SITE="$site" bash bench/procs_stages.sh "$stage" ;;
-  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again listener lora procs-1b procs-1b-n procs-8b full-load-procs full-load-replicas tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
+  *) echo "unknown stage $stage: raw bundle vllm open think interval batch spread direct no-direct gc-rare presets preset-latency preset-fast-boot prefix-on prefix-off redis takeover imports ttft1 profile startup startup-eager sleepwake graphs modal cog coldboot-cog coldboot-rest coldboot-again listener lora procs-1b procs-1b-n procs-8b full-load-procs full-load-ceiling full-load-replicas tp2 tp2-startup tp2-startup-warm tp2-raw tp2-bundle tp2-vllm tp2-sleepwake tp2-modal tp2-cog"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
