@@ -57,6 +57,7 @@ class Stream:
     error: str | None = None
     logged_by_a: int = 0  # the last event A had written to the store when it was killed
     first_continued_at: float | None = None  # monotonic time of the first event B generated
+    a_ended_at: float | None = None  # when its stream from A ended (A's socket closed by the kill)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +140,7 @@ async def _stream(
     headers = {"X-Request-Id": _request_id(args.seed, stream.index), "Accept": "text/event-stream"}
     with contextlib.suppress(httpx.HTTPError):  # A's connection is cut by the kill
         await _read(client, f"{urls[0]}/v1/completions", body, headers, stream, after_kill=False)
+    stream.a_ended_at = time.monotonic()
     if stream.done:
         return  # finished before the kill (a kill-after too late for this length)
     await killed.wait()
@@ -210,6 +212,10 @@ def _report(
 
     waits = [s.first_continued_at - killed_at for s in streams if s.first_continued_at is not None]
     stalls = [_stall_after(stream, at_kill[stream.index]) for stream in streams]
+    # A SIGKILLed process closes its sockets only once the kernel has torn it down: until then
+    # neither its clients nor the store can tell it is gone.
+    ended = [s.a_ended_at for s in streams if s.a_ended_at is not None]
+    a_closed = [at - killed_at for at in ended if at >= killed_at]
     return {
         "schema": "bundle-takeover/1",
         "streams": {
@@ -232,6 +238,7 @@ def _report(
         # The longest wait between two events a client read, from its last event before the kill
         # to its end: what a reader feels of the takeover (the resume's round trip included).
         "longest_stall_after_kill_s": {**percentiles(stalls), "max": max(stalls, default=0.0)},
+        "kill_to_a_stream_closed_s": {**percentiles(a_closed), "max": max(a_closed, default=0.0)},
         "per_stream": [
             {
                 "events": len(s.ids),
