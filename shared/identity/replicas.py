@@ -28,8 +28,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -39,12 +40,14 @@ from shared.identity.generation import HANDOFF
 from shared.identity.interface import Continuer, OpenHere, Subscription
 from shared.identity.redis_log import RemoteSubscription, SharedLog, StreamWriter
 from shared.identity.registry import CancelOutcome, Entry, Registry, final_status
-from shared.identity.replay import ReplayBuffer
+from shared.identity.replay import EventsPerWrite, ReplayBuffer, WriteNow
 from shared.identity.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
 from shared.identity.takeover import Logged, Recipe, read_log
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
-from shared.streaming import DONE_DATA
+from shared.streaming import DONE_DATA, Usage, error_frames
+
+DONE_FRAME_END = b"data: [DONE]\n\n"  # how a whole stream's last event ends, numbered or not
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ class Replicas:
         """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
         async with self._exclusive(request_id):
             if self._registry.find(request_id, fingerprint) is not None:
-                return here()
+                return self._owned(request_id, fingerprint, here(), last_event_id or 0)
             mine = Claim(fingerprint, self.replica_id, stream, numbered=numbered)
             return await self._claim_or_follow(request_id, mine, last_event_id, here)
 
@@ -159,7 +162,7 @@ class Replicas:
     async def _start(self, request_id: str, mine: Claim, here: OpenHere) -> Subscription:
         self._claims[request_id] = mine  # what `mirror` fences the log with
         try:
-            return here()  # validates, admits and starts; Service._start calls `own`
+            return self._owned(request_id, mine.fingerprint, here(), 0)  # here() validates, admits, starts
         except BaseException:
             # Refused after the claim (bad input, 429): free the id, or nobody could use it.
             with contextlib.suppress(BundleError):
@@ -167,6 +170,21 @@ class Replicas:
             raise
         finally:
             self._claims.pop(request_id, None)
+
+    def _owned(self, request_id: str, fingerprint: str, local: Subscription, after: int) -> Subscription:
+        """A reader of a generation this replica runs, that goes on from the shared log should
+        another replica take the generation over (`OwnedReader`)."""
+        entry = self._registry.find(request_id, fingerprint)
+        if not self.takeover or entry is None or not isinstance(entry.output.events, SharedLog):
+            return local
+        return OwnedReader(local, entry.output.events, after, lambda sent: self._from_log(request_id, sent))
+
+    async def _from_log(self, request_id: str, after: int) -> Subscription:
+        claim = await self.store.get(request_id)
+        if claim is None:
+            raise EventsGone(f"events after {after} of this request are no longer held")
+        rescue = self._rescue if self.takeover else None
+        return RemoteSubscription(self.store, request_id, claim, after, self._metrics, rescue)
 
     async def _came_back(self, owner: str) -> bool:
         """Whether `owner`'s heartbeat is back within two beats. Seen in CI: a follower found
@@ -383,6 +401,84 @@ class Replicas:
         await self.writer.drain(timeout_s=STORE_DRAIN_BOUND_S)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.aclose()
+
+
+class OwnedReader:
+    """A reader of a generation this replica runs (a `Subscription`). Another replica may take the
+    generation over meanwhile (this one was paused past its lease, or cut off from the store):
+    then the log here stops short of [DONE], and the reader goes on from the shared log, the
+    taker's tokens, after the last event it got here. With takeover, an event reaches a reader
+    here only once the store holds it, so nothing it got is missing from that log, and its client
+    sees one stream, byte for byte what every other client of the id sees."""
+
+    def __init__(
+        self,
+        local: Subscription,
+        shared: SharedLog,
+        after: int,
+        from_log: Callable[[int], Awaitable[Subscription]],
+    ) -> None:
+        self._local = local
+        self._shared = shared
+        self._after = after
+        self._from_log = from_log
+
+    @property
+    def request_id(self) -> str | None:
+        return self._local.request_id
+
+    @property
+    def stream(self) -> bool:
+        return self._local.stream
+
+    @property
+    def usage(self) -> Usage:
+        return self._local.usage
+
+    async def admitted(self) -> None:
+        await self._local.admitted()
+
+    async def events(
+        self,
+        coalesce_s: float = 0.0,
+        events_per_write: EventsPerWrite | None = None,
+        write_now: WriteNow | None = None,
+    ) -> AsyncIterator[bytes]:
+        sent = self._after  # the sequence of the last event this reader got
+        last = b""
+
+        def counted(chunk: bytes) -> bool:
+            nonlocal sent
+            taken = write_now is not None and write_now(chunk)
+            if taken:
+                sent += chunk.count(b"\n\n")  # one SSE event each: JSON data holds no blank line
+            return taken
+
+        async for chunk in self._local.events(coalesce_s, events_per_write, counted if write_now else None):
+            sent += chunk.count(b"\n\n")
+            last = chunk
+            yield chunk
+        if not self._shared.taken_over or last.endswith(DONE_FRAME_END):
+            return
+        try:
+            remote = await self._from_log(sent)
+        except BundleError as error:
+            yield error_frames(error)
+            return
+        async for chunk in remote.events():
+            yield chunk
+
+    def text(self) -> AsyncIterator[str]:
+        return self._local.text()
+
+    async def response(self) -> dict[str, Any]:
+        return await self._local.response()
+
+    def close(self) -> None:
+        self._local.close()
+
+    def abandon(self) -> None:
+        self._local.abandon()
 
 
 class _Fence:
