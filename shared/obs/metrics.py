@@ -208,7 +208,8 @@ class Metrics:
         )
         self.store_latency = Histogram(
             "bundle_store_latency_seconds",
-            "Identity store round trip time (a follower's blocking read includes its wait).",
+            "Time waiting for the identity store per round trip: queueing for a pooled connection "
+            "included, and a follower's blocking read includes its wait.",
             ["op"],
             buckets=_STORE_BUCKETS,
             registry=r,

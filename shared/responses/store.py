@@ -11,7 +11,6 @@ Both stores are bounded the same way: a record lives `responses_retention_s`, at
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -19,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from shared.errors import EventsGone, NotFound, StoreUnavailable
-from shared.redis_client import redis_client
+from shared.redis_client import AnswerClock, answer_bound, redis_client
 from shared.settings import Settings
 
 Record = dict[str, Any]
@@ -28,6 +27,7 @@ INDEX_KEY = "bundle:responses"  # sorted set of stored ids by time stored (the c
 # Sorted set of background responses not yet ended, by time created: what replicas adopt when the
 # one running a response is lost (shared/responses/manager.py).
 RUNNING_KEY = "bundle:responses:running"
+ANSWER_BOUND_S = 10.0  # no answer to this process for this long, its loop on time: unreachable
 
 
 class ResponseStore(Protocol):
@@ -139,6 +139,7 @@ class RedisStore:
         assert settings.redis_url is not None
         self._settings = settings
         self._redis = redis_client(settings.redis_url.get_secret_value())  # imports redis-py only now
+        self._clock = AnswerClock()
         self._ttl_ms = max(int(settings.responses_retention_s * 1000), 1)
 
     async def get(self, response_id: str) -> Record | None:
@@ -193,9 +194,12 @@ class RedisStore:
         from redis.exceptions import RedisError
 
         try:
-            return await asyncio.wait_for(call, timeout=10.0)
+            async with answer_bound(ANSWER_BOUND_S, self._clock):  # silence, not a busy loop, fails it
+                answer = await call
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"the response store is unreachable: {type(exc).__name__}") from None
+        self._clock.answered()
+        return answer
 
 
 def open_store(settings: Settings) -> ResponseStore:
