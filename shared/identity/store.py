@@ -75,6 +75,7 @@ PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 10.4 s
 FOLLOW_TTL_S = 3.0  # a follower that stopped refreshing no longer holds the generation open
 # No answer from the store to this process for this long, while its loop ran on time: unreachable.
 ANSWER_BOUND_S = 5.0
+CLOSE_BOUND_S = 2.0  # for each of the last words at exit: the heartbeat's delete, each client's close
 # Connections for followers' blocking reads, apart from the pool every other command uses: a
 # read holds its connection for up to READ_BLOCK_MS, and must never make a claim wait behind it.
 READ_CONNECTIONS = 512
@@ -558,10 +559,15 @@ class IdentityStore:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
-            await self.client.delete(replica_key(self.replica_id))  # followers learn at once
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(CLOSE_BOUND_S):
+                await self.client.delete(replica_key(self.replica_id))  # followers learn at once
         for client in (self.control, self.reads, self.client):
-            await client.aclose()
+            # Bounded: closing waits for each socket to close, and shutdown must not wait on a
+            # store that stopped answering (the process's exit closes what is left).
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(CLOSE_BOUND_S):
+                    await client.aclose()
 
 
 def _error_kind(exc: BaseException) -> str:
