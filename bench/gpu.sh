@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU proof on a lent H200: vLLM 0.26.0's GPU build (the release built for that machine's
-# torch 2.11 + CUDA 13), a Llama-3-8B-shaped model with dummy bf16 weights, identical load for
+# The GPU proof on a lent H200: vLLM's GPU build (BENCH_VLLM: 0.32.0, the images' pin, carried with
+# torch 2.13 beside the machine's own; or 0.26.0, built for its torch 2.11 + CUDA 13), a
+# Llama-3-8B-shaped model with dummy bf16 weights, identical load for
 # (a) raw AsyncLLM in-process, (b) the bundle's server over HTTP + SSE, (c) vLLM's own server.
 # (The Modal wrapper's app is the same create_app() object as (b), so it is not run twice.)
 #
