@@ -117,10 +117,11 @@ async def test_a_generation_whose_owner_lost_its_lease_is_continued_by_a_resume_
     assert [event_id for event_id, _ in sse_events(whole)] == list(range(1, len(sse_events(whole)) + 1))
     assert content(whole) == content(reference) and usage(whole) == usage(reference)
     assert b.metrics.takeovers.labels("continued")._value.get() == 1
-    # A comes back: its next tokens are fenced out, it stops, and its reader's stream just ends.
+    # A comes back: its next tokens are fenced out and it stops; its reader goes on from the
+    # shared log (B's tokens), so its client gets the same whole stream as everyone else.
     engine_a.step(3)
     rest = await asyncio.wait_for(read(reading), 10)
-    assert rest == b"" and not engine_a.running
+    assert head + rest == whole and not engine_a.running
     assert a.metrics.claims_lost._value.get() == 1
     assert await stored_ids(b, "lease") == list(range(1, len(sse_events(whole)) + 1))
     await a.aclose()
