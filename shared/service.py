@@ -41,6 +41,7 @@ from shared.identity.store import Claim
 from shared.obs.gc_pauses import gc_pauses_observed
 from shared.obs.loop_lag import watch_loop_lag
 from shared.obs.metrics import Metrics
+from shared.obs.slow_exit import report_if_slow
 from shared.protocol import ChatCompletionRequest, CompletionRequest
 from shared.settings import Settings
 from shared.shaping.choices import Choices
@@ -51,6 +52,8 @@ from shared.streaming import ChunkEncoder, Kind
 __all__ = ["CancelOutcome", "Service", "Subscription"]
 
 log = logging.getLogger(__name__)
+# A shutdown still running this long is stuck somewhere: its pending tasks are logged (once).
+SLOW_SHUTDOWN_S = 15.0
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 # Tokens per event under stream load (`stream_batch_at`): on the H200 vLLM's stream interval 2
@@ -100,9 +103,10 @@ class Service:
 
     async def aclose(self) -> None:
         """Hand over or abort what is still running, and stop background work."""
-        await self._identity.hand_off()
-        await self.registry.shutdown()
-        await self._identity.aclose()
+        with report_if_slow("the service's shutdown", SLOW_SHUTDOWN_S):
+            await self._identity.hand_off()
+            await self.registry.shutdown()
+            await self._identity.aclose()
         if self._stats_task is not None:
             self._stats_task.cancel()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)

@@ -6,6 +6,7 @@ exactly the tokens a test releases; behaviour end to end is tested on the real e
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -761,3 +762,28 @@ def test_a_running_service_serves_with_its_gc_thresholds_and_times_collections()
     assert thresholds == (900, 9, 90)
     assert b'bundle_gc_pause_seconds_count{generation="1"}' in exposition
     assert gc.get_threshold() == before
+
+
+# --- a shutdown that hangs says where ----------------------------------------------------------------
+async def test_a_slow_block_logs_each_pending_task_and_a_quick_one_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from shared.obs.slow_exit import report_if_slow
+
+    stuck = asyncio.Event()
+
+    async def waits_for_ever() -> None:
+        await stuck.wait()
+
+    task = asyncio.get_running_loop().create_task(waits_for_ever(), name="stuck-one")
+    with caplog.at_level(logging.WARNING, logger="shared.obs.slow_exit"):
+        with report_if_slow("a quick shutdown", 30):
+            await asyncio.sleep(0)
+        assert not caplog.records
+        with report_if_slow("the test's shutdown", 0.05):
+            await asyncio.sleep(0.3)  # the timer at 0.05 s comes first, however slow the machine
+    stuck.set()
+    await task
+    (record,) = caplog.records
+    assert "the test's shutdown still running" in record.getMessage()
+    assert "stuck-one: " in record.getMessage() and "waits_for_ever" in record.getMessage()

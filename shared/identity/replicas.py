@@ -399,7 +399,9 @@ class Replicas:
     async def aclose(self) -> None:
         """After the registry's shutdown: send the last events and ends, then leave."""
         await self.writer.drain(timeout_s=STORE_DRAIN_BOUND_S)
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):  # cancels relayed from elsewhere: bounded, as the drain
+            async with asyncio.timeout(STORE_DRAIN_BOUND_S):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.aclose()
 
 

@@ -558,7 +558,9 @@ class IdentityStore:
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):  # a task stuck in a client's own teardown stays behind
+            async with asyncio.timeout(CLOSE_BOUND_S):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(CLOSE_BOUND_S):
                 await self.client.delete(replica_key(self.replica_id))  # followers learn at once
