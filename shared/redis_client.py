@@ -46,20 +46,25 @@ POOL_CONNECTIONS = 64
 LOOP_LATE_S = 0.1
 
 
-def redis_client(url: str, connections: int = POOL_CONNECTIONS) -> Redis:
-    """An asyncio client for `url` on a bounded, waiting pool; connections open lazily."""
-    from redis.asyncio import BlockingConnectionPool, Redis
+def redis_client(url: str, connections: int = POOL_CONNECTIONS, *, waiting: bool = True) -> Redis:
+    """An asyncio client for `url` on a bounded, waiting pool; connections open lazily.
+    `waiting=False`: redis-py's plain pool, for a client whose one connection is a PubSub's (its
+    teardown releases the connection through the pool, and a waiting pool's release takes a lock
+    that a cancelled PubSub's uncancellable teardown must not depend on)."""
+    from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=connections,
-        timeout=None,  # wait for a connection as long as the store answers (`answer_bound`)
-        retry=Retry(NoBackoff(), RETRIES),
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_timeout=SOCKET_TIMEOUT_S,
-    )
+    options = {
+        "max_connections": connections,
+        "retry": Retry(NoBackoff(), RETRIES),
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": SOCKET_TIMEOUT_S,
+    }
+    if waiting:  # wait for a connection as long as the store answers (`answer_bound`)
+        pool: ConnectionPool = BlockingConnectionPool.from_url(url, timeout=None, **options)
+    else:
+        pool = ConnectionPool.from_url(url, **options)
     return Redis.from_pool(pool)  # the client owns the pool: closing it closes the pool
 
 

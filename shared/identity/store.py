@@ -80,6 +80,7 @@ CLOSE_BOUND_S = 2.0  # for each of the last words at exit: the heartbeat's delet
 # read holds its connection for up to READ_BLOCK_MS, and must never make a claim wait behind it.
 READ_CONNECTIONS = 512
 RECONNECT_S = 0.5  # pause between attempts of the background loops while the store is down
+LISTEN_POLL_S = 0.5  # the cancel listener's longest wait for a message before it looks at closing
 
 
 @dataclass(frozen=True)
@@ -282,12 +283,14 @@ class IdentityStore:
         self.client = redis_client(url)
         self.reads = redis_client(url, connections=READ_CONNECTIONS)
         self.control = redis_client(url, connections=1)
+        self.listener = redis_client(url, connections=2, waiting=False)  # the cancel channel's PubSub
         self.clock = AnswerClock()
         # None until the first beat found out whether the store answers CLIENT ID / CLIENT LIST.
         self.watch_connections: bool | None = None
         self._connected: dict[int, tuple[float, bool]] = {}  # CLIENT ID -> (when asked, listed)
         self._asking: dict[int, asyncio.Future[bool]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = asyncio.Event()
         self._scripts = {
             script: hashlib.sha1(script.encode()).hexdigest() for script in (APPEND_SCRIPT, TAKE_SCRIPT)
         }
@@ -540,12 +543,18 @@ class IdentityStore:
         return False
 
     async def _listen(self, on_cancel: Callable[[str], None]) -> None:
-        while True:
+        """Relay cancels sent to this replica. It ends by itself once `aclose` says so (within one
+        LISTEN_POLL_S), never by cancellation: redis-py waits, uncancellably, for a cancelled
+        PubSub's teardown, and a task stuck there would hold up the process's exit."""
+        while not self._closing.is_set():
             try:
-                async with self.client.pubsub() as pubsub:
+                async with self.listener.pubsub() as pubsub:
                     await pubsub.subscribe(cancel_channel(self.replica_id))
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
+                    while not self._closing.is_set():
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=LISTEN_POLL_S
+                        )
+                        if message is not None and message.get("type") == "message":
                             on_cancel(message["data"].decode())
             except (RedisError, OSError) as exc:
                 self.metrics.store_errors.labels("listen", _error_kind(exc)).inc()
@@ -553,18 +562,23 @@ class IdentityStore:
             except Exception:  # a dead listener would leave cancels sent from elsewhere unheard
                 self.metrics.store_errors.labels("listen", "unexpected").inc()
                 log.exception("cancel channel failed unexpectedly; subscribing again")
-            await asyncio.sleep(RECONNECT_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), RECONNECT_S)
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        with contextlib.suppress(TimeoutError):  # a task stuck in a client's own teardown stays behind
+        self._closing.set()  # the listener ends by itself (`_listen`); the heartbeat is cancelled
+        heartbeat, listener = self._tasks or (None, None)
+        if heartbeat is not None:
+            heartbeat.cancel()
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CLOSE_BOUND_S):
                 await asyncio.gather(*self._tasks, return_exceptions=True)
+        if listener is not None and not listener.done():  # not out of redis-py in time: cancelled
+            listener.cancel()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(CLOSE_BOUND_S):
                 await self.client.delete(replica_key(self.replica_id))  # followers learn at once
-        for client in (self.control, self.reads, self.client):
+        for client in (self.control, self.listener, self.reads, self.client):
             # Bounded: closing waits for each socket to close, and shutdown must not wait on a
             # store that stopped answering (the process's exit closes what is left).
             with contextlib.suppress(RedisError, OSError, TimeoutError):
