@@ -3,6 +3,7 @@ until the test releases it, others pass meanwhile, and a frozen engine keeps the
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -101,7 +102,11 @@ async def test_cancelling_a_frozen_request_aborts_it_in_the_engine_and_resumes_i
             raw = await stream.aread()
             assert cancelled.json()["status"] == "cancelled"
             assert b'"code":"request_cancelled"' in raw
-            assert service.engine.running_requests() == 0  # aborted in vLLM, though paused
+            # Aborted in vLLM, though paused: its count drops once the abort has gone through
+            # vLLM's output processor (a loop turn or more later on a loaded box).
+            async with asyncio.timeout(30):
+                while service.engine.running_requests() != 0:
+                    await asyncio.sleep(0.01)
             # The engine runs again (the cancelled hold resumed it): a new request completes.
             after = await client.post(CHAT, json=long_chat(max_tokens=10, stream=False))
             assert after.json()["usage"]["completion_tokens"] == 10
