@@ -183,8 +183,7 @@ class Replicas:
         claim = await self.store.get(request_id)
         if claim is None:
             raise EventsGone(f"events after {after} of this request are no longer held")
-        rescue = self._rescue if self.takeover else None
-        return RemoteSubscription(self.store, request_id, claim, after, self._metrics, rescue)
+        return RemoteSubscription(self.store, request_id, claim, after, self._metrics, self._rescue)
 
     async def _came_back(self, owner: str) -> bool:
         """Whether `owner`'s heartbeat is back within two beats. Seen in CI: a follower found
