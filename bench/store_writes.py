@@ -1,6 +1,6 @@
 """`python -m bench.store_writes`: what appending a flush of events costs the API process.
 
-The shared identity store (shared/identity/store.py) appends every event of a flush with one script
+The shared identity store (shared/replicas/store.py) appends every event of a flush with one script
 call. This compares that with the obvious alternative, one XADD per event in a pipeline, on the
 same local valkey-server and the same events, reporting the client's CPU per event (the cost
 that lands on the API process's one event loop) and the wall time per flush. The script's calls
@@ -19,9 +19,9 @@ import time
 from redis.asyncio import Redis
 
 from bench.redis_overhead import local_store
-from shared.identity.store import APPEND_SCRIPT, Claim, claim_key
-from shared.identity.tokens import pack_ids
 from shared.redis_client import redis_client
+from shared.replicas.store import APPEND_SCRIPT, Claim, claim_key
+from shared.replicas.tokens import pack_ids
 
 EVENT = b'{"id":"cmpl-0123456789abcdef","object":"text_completion","choices":[{"index":0,"text":" word"}]}'
 
@@ -38,7 +38,7 @@ TOKEN = pack_ids([1234])
 
 
 async def by_script(client: Redis, keys: list[str], sequence: int, sha: str) -> None:
-    """APPEND_SCRIPT's layout (see shared/identity/store.py): per stream its id, its claim and
+    """APPEND_SCRIPT's layout (see shared/replicas/store.py): per stream its id, its claim and
     its header, then one event (data, token ids)."""
     args: list[bytes | int | str] = [16384, 600_000, len(keys)]
     for key in keys:

@@ -30,7 +30,7 @@ from cog_cancel import CancelSignal, plain_submit
 
 from shared.errors import BundleError, Cancelled, EngineUnavailable, InvalidRequest
 from shared.models.weights import resolve_weights
-from shared.protocol import (
+from shared.schemas import (
     MAX_STOP_LENGTH,
     MAX_STOP_SEQUENCES,
     PENALTY_RANGE,

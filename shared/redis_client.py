@@ -1,7 +1,7 @@
 """The one way to build a Redis (or Valkey) client: every user of BUNDLE_REDIS_URL calls `redis_client`.
 
-The identity store (shared/identity/store.py) and the Responses API's store
-(shared/responses/store.py) share one server; built here, they fail and recover the same way.
+The identity store (shared/replicas/store.py) and the Responses API's store
+(shared/responses/records.py) share one server; built here, they fail and recover the same way.
 redis-py is imported inside the function, so a process with no store configured never loads it.
 
 At full load (hundreds of requests with ids admitted in one burst) two things used to fail

@@ -2,7 +2,7 @@
 
 `api.py` translates HTTP to these calls and the Cog bridge translates Cog's; neither touches the
 registry, the identity store, the engine or the metrics objects. `open` validates, looks up the
-identity (this process's, or the replicas' through BUNDLE_REDIS_URL: shared/identity/interface.py), admits
+identity (this process's, or the replicas' through BUNDLE_REDIS_URL: shared/replicas/identity.py), admits
 (or attaches, or resumes) and returns a `Subscription` to follow. `shared.assembly.start_service`
 is the one way a running service is put together.
 """
@@ -32,17 +32,18 @@ from shared.errors import (
     NotFound,
     ProducerLost,
 )
-from shared.identity import takeover
-from shared.identity.generation import GenerationOutput, produce
-from shared.identity.interface import Identity, LocalIdentity, Subscription
-from shared.identity.registry import CancelOutcome, Entry, Registry
-from shared.identity.replay import ReplayBuffer
-from shared.identity.store import Claim
+from shared.generation.output import GenerationOutput, produce
+from shared.generation.registry import CancelOutcome, Entry, Registry
+from shared.generation.replay import ReplayBuffer
+from shared.generation.subscription import Subscription
 from shared.obs.gc_pauses import gc_pauses_observed
 from shared.obs.loop_lag import watch_loop_lag
 from shared.obs.metrics import Metrics
 from shared.obs.slow_exit import report_if_slow
-from shared.protocol import ChatCompletionRequest, CompletionRequest
+from shared.replicas import takeover
+from shared.replicas.identity import Identity, LocalIdentity
+from shared.replicas.store import Claim
+from shared.schemas import ChatCompletionRequest, CompletionRequest
 from shared.settings import Settings
 from shared.shaping.choices import Choices
 from shared.shaping.structured import response_constraint
@@ -413,7 +414,7 @@ class Service:
     ) -> Entry:
         """Run here, under `claim` (this replica's now), the rest of a generation whose producer
         was lost: its log's events first (held for resumes), then what the engine adds after the
-        token ids already sent (shared/identity/takeover.py). One that cannot be continued
+        token ids already sent (shared/replicas/takeover.py). One that cannot be continued
         exactly ends with `producer_lost` instead. Raises Overloaded (429) at the in-flight cap."""
         recipe = logged.recipe
         steps = None
@@ -695,6 +696,6 @@ def identity_for(settings: Settings, registry: Registry, metrics: Metrics) -> Id
             "that reaches another replica is not matched"
         )
         return LocalIdentity()
-    from shared.identity.replicas import Replicas  # redis is imported only when a store is configured
+    from shared.replicas.replicated import Replicas  # redis is imported only when a store is configured
 
     return Replicas(settings, registry, metrics)

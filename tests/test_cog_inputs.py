@@ -21,7 +21,7 @@ import pytest
 
 from shared.engine.vllm import resolve_model_path
 from shared.errors import EngineUnavailable, IdempotencyConflict, InvalidRequest
-from shared.protocol import ChatCompletionRequest, CompletionRequest
+from shared.schemas import ChatCompletionRequest, CompletionRequest
 from shared.service import Service
 from shared.settings import Settings
 

@@ -24,8 +24,8 @@ from shared.errors import (
     NotFound,
     Overloaded,
 )
-from shared.identity.replay import ReplayBuffer
-from shared.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from shared.generation.replay import ReplayBuffer
+from shared.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 from shared.service import Service, Subscription
 from shared.settings import Settings
 from shared.streaming import ChunkEncoder, Usage, sse_data, sse_event

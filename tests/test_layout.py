@@ -6,9 +6,10 @@ still an arrow between two modules. The rules:
 - the layers of shared/ import one way, downwards: the top-level foundation (settings, errors,
   protocol, streaming, redis_client) < obs < models and cache (fetching and building model files,
   the compile-cache pack) < engine (its contract and the vLLM adapter) < shaping (OpenAI output
-  shaping on the contract) < identity < the assembly (service, lifecycle, server_state, and any
-  other top-level module) < responses (the Responses API, built on the service) < http < the entry
-  point (serve);
+  shaping on the contract) < generation (one generation's output, replay buffer and registry) <
+  replicas (identity across replicas: store, log, liveness, takeover) < the assembly (service,
+  lifecycle, server_state, and any other top-level module) < responses (the Responses API, built
+  on the service) < http < the entry point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
 - bundle_client imports nothing from shared (it is shipped to users without the server).
 """
@@ -19,7 +20,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOUNDATION = {"shared.settings", "shared.errors", "shared.protocol", "shared.streaming", "shared.redis_client"}
+FOUNDATION = {"shared.settings", "shared.errors", "shared.schemas", "shared.streaming", "shared.redis_client"}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
 # shared.procs (several API processes) runs the http layer's server in each of them.
@@ -29,23 +30,25 @@ LAYER_OF_PACKAGE = {
     "shared.cache": 2,  # used by the engine's start, uses only the foundation
     "shared.engine": 3,
     "shared.shaping": 4,
-    "shared.identity": 5,
-    "shared.responses": 7,
-    "shared.http": 8,
-    "shared.procs": 8,
+    "shared.generation": 5,
+    "shared.replicas": 6,
+    "shared.responses": 8,
+    "shared.http": 9,
+    "shared.procs": 9,
 }
-ASSEMBLY, TOP = 6, 9
+ASSEMBLY, TOP = 7, 10
 NAMES = {
     0: "foundation",
     1: "obs",
     2: "models",
     3: "engine",
     4: "shaping",
-    5: "identity",
-    6: "assembly",
-    7: "responses",
-    8: "http",
-    9: "entry",
+    5: "generation",
+    6: "replicas",
+    7: "assembly",
+    8: "responses",
+    9: "http",
+    10: "entry",
 }
 
 
@@ -145,7 +148,7 @@ def test_every_package_of_shared_has_a_layer() -> None:
         ".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "shared").glob("*/__init__.py")
     }
     assert packages == set(LAYER_OF_PACKAGE)
-    assert layer("shared.responses.manager") == 7
+    assert layer("shared.responses.manager") == 8
 
 
 def test_no_import_cycles() -> None:

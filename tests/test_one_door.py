@@ -27,9 +27,9 @@ import pytest
 from shared import lifecycle as engine_lifecycle
 from shared.assembly import start_service
 from shared.engine.contract import Engine
-from shared.identity.interface import Subscription
+from shared.generation.subscription import Subscription
 from shared.lifecycle import EngineLifecycle
-from shared.protocol import ChatCompletionRequest
+from shared.schemas import ChatCompletionRequest
 from shared.service import Service
 from shared.settings import Settings
 from tests.conftest import ENGINE_SETTINGS, LiveServers, wait_until

@@ -19,7 +19,7 @@ import pytest
 from openai.types.responses import ResponseStreamEvent
 
 from bench.servers import wait_healthy
-from shared.identity.store import PRODUCER_LOST_BOUND_S
+from shared.replicas.store import PRODUCER_LOST_BOUND_S
 from tests.conftest import LiveServers
 from tests.redis_server import RedisServer
 from tests.test_replicas import Replica, _start

@@ -11,7 +11,7 @@ import redis
 
 from shared.errors import EventsGone
 from shared.responses import store as store_module
-from shared.responses.store import MemoryStore, RedisStore, ResponseStore
+from shared.responses.records import MemoryStore, RedisStore, ResponseStore
 from shared.settings import Settings
 from tests.redis_server import RedisServer
 
@@ -50,7 +50,7 @@ async def test_a_record_over_the_byte_limit_is_a_clear_410(redis_server: RedisSe
 
 
 class Clock:
-    """A stand-in for the `time` module in shared/responses/store.py: the memory store's ages
+    """A stand-in for the `time` module in shared/responses/records.py: the memory store's ages
     then move only when the test says, so no margin of a few tenths of a second is raced."""
 
     def __init__(self) -> None:

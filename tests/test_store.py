@@ -23,18 +23,18 @@ from shared.errors import (
     StoredError,
     StoreUnavailable,
 )
-from shared.identity.redis_log import RemoteSubscription, StreamWriter
-from shared.identity.replay import ReplayBuffer
-from shared.identity.replicas import Replicas
-from shared.identity.store import (
+from shared.generation.replay import ReplayBuffer
+from shared.obs.metrics import Metrics
+from shared.replicas.redis_log import RemoteSubscription, StreamWriter
+from shared.replicas.replicated import Replicas
+from shared.replicas.store import (
     PRODUCER_LOST_BOUND_S,
     Claim,
     IdentityStore,
     follow_key,
     replica_key,
 )
-from shared.obs.metrics import Metrics
-from shared.protocol import ChatCompletionRequest, parse_request
+from shared.schemas import ChatCompletionRequest, parse_request
 from shared.service import Service
 from shared.settings import Settings
 from shared.streaming import DONE_DATA

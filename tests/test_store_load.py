@@ -29,10 +29,10 @@ import redis.asyncio
 from redis.exceptions import MaxConnectionsError
 
 from shared.errors import StoreUnavailable
-from shared.identity import store as store_module
-from shared.identity.store import HEARTBEAT_TTL_S, LEASE_ONLY, IdentityStore, replica_key
 from shared.obs.metrics import Metrics
 from shared.redis_client import POOL_CONNECTIONS, AnswerClock, answer_bound, redis_client
+from shared.replicas import store as store_module
+from shared.replicas.store import HEARTBEAT_TTL_S, LEASE_ONLY, IdentityStore, replica_key
 from tests.redis_server import RedisServer
 
 BURST = 300  # commands in flight at once: past redis-py's default pool of 100
@@ -114,7 +114,7 @@ async def test_a_store_that_answers_nothing_is_unavailable_after_the_bound(
 # --- liveness: a replica in another process ---------------------------------------------------------
 REPLICA = """
 import asyncio, sys
-from shared.identity.store import IdentityStore
+from shared.replicas.store import IdentityStore
 from shared.obs.metrics import Metrics
 
 async def main():

@@ -106,7 +106,7 @@ def test_direct_writes_carry_every_event_in_order_and_a_resume_gets_the_same_tai
     event log writes a caught-up stream's events onto its connection itself (counted here), and a
     client sees what the ASGI path sends: every event, numbered in order, the same text as the
     whole answer, and a resume from event 3 gets exactly the tail."""
-    from shared.identity.replay import ReplayBuffer
+    from shared.generation.replay import ReplayBuffer
 
     written = []
     write_to_sink = ReplayBuffer._write_to_sink

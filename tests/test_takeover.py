@@ -39,9 +39,9 @@ from bench.identity_burst import burst
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
 from shared.engine.contract import SamplingRequest
-from shared.identity.store import PRODUCER_LOST_BOUND_S, IdentityStore, replica_key
-from shared.identity.takeover import Recipe, plan, read_log
 from shared.obs.metrics import Metrics
+from shared.replicas.store import PRODUCER_LOST_BOUND_S, IdentityStore, replica_key
+from shared.replicas.takeover import Recipe, plan, read_log
 from shared.service import Service
 from tests.conftest import LiveServers, free_port, wait_until
 from tests.redis_server import RedisServer

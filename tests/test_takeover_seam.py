@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 from shared.engine.contract import EngineDelta
 from shared.engine.vllm import VLLMEngine
 from shared.errors import ProducerLost
-from shared.identity.store import DATA, KEPT, TOKENS
-from shared.identity.takeover import Recipe, after_sent, continuation_seed, plan, read_log
-from shared.identity.tokens import pack_ids
 from shared.models.tiny_model import ensure_model
+from shared.replicas.store import DATA, KEPT, TOKENS
+from shared.replicas.takeover import Recipe, after_sent, continuation_seed, plan, read_log
+from shared.replicas.tokens import pack_ids
 from shared.settings import Settings
 
 
@@ -113,6 +113,6 @@ def test_a_sampled_continuation_draws_the_same_seed_when_tried_again() -> None:
 
 
 def plan_of(**fields: Any) -> Any:
-    from shared.identity.takeover import Plan
+    from shared.replicas.takeover import Plan
 
     return Plan(**fields)

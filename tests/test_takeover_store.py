@@ -19,9 +19,9 @@ import pytest
 
 from shared.engine.contract import EngineDelta, SamplingRequest
 from shared.errors import EngineUnavailable
-from shared.identity.replicas import Replicas
-from shared.identity.store import Claim, replica_key
-from shared.protocol import ChatCompletionRequest, parse_request
+from shared.replicas.replicated import Replicas
+from shared.replicas.store import Claim, replica_key
+from shared.schemas import ChatCompletionRequest, parse_request
 from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
 from shared.settings import Settings

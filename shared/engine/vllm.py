@@ -89,7 +89,7 @@ class VLLMEngine:
         """The text each output id adds after the prompt, None while it ends inside a character:
         what vLLM's incremental detokenizer streamed for them (a fast tokenizer's DecodeStream,
         primed with the prompt, as vLLM's is). None for a slow tokenizer. A takeover uses it to
-        find where the text already sent ends among the ids (shared/identity/takeover.py)."""
+        find where the text already sent ends among the ids (shared/replicas/takeover.py)."""
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream
 

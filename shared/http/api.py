@@ -26,6 +26,8 @@ from shared.errors import (
     RequestTooLarge,
     Unauthorized,
 )
+from shared.generation.replay import WriteNow
+from shared.generation.subscription import Subscription
 from shared.http.headers import (
     HeaderGuard,
     accepts_event_stream,
@@ -42,17 +44,15 @@ from shared.http.requests import (
     read_json,
     service_of,
 )
-from shared.http.responses import add_routes as add_responses_routes
-from shared.identity.interface import Subscription
-from shared.identity.replay import WriteNow
-from shared.protocol import (
+from shared.http.responses_api import add_routes as add_responses_routes
+from shared.responses.manager import Responses
+from shared.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadAdapterRequest,
     UnloadAdapterRequest,
     parse_request,
 )
-from shared.responses.manager import Responses
 from shared.server_state import ExitRequest, ServerState
 from shared.settings import Settings
 from shared.streaming import Kind

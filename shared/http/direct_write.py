@@ -4,7 +4,7 @@ Streaming through ASGI costs each token of each stream two turns of the one even
 generation's task appends the event, then the response's task wakes to hand it to the server's
 `send`. At 256 streams that loop is the API process's bottleneck (docs/performance.md), and
 first tokens wait in it behind everyone's later ones. With a direct write the event log puts a
-caught-up stream's events on its connection in the producer's own turn (shared/identity/replay.py).
+caught-up stream's events on its connection in the producer's own turn (shared/generation/replay.py).
 
 Only where it is exactly what the server itself would do: uvicorn's httptools protocol (the deploy
 images' HTTP stack), a response whose head is out with chunked transfer encoding and not yet
@@ -34,7 +34,7 @@ from typing import Any
 
 from starlette.types import Send
 
-from shared.identity.replay import WriteNow
+from shared.generation.replay import WriteNow
 
 # Where uvicorn keeps one request's response state; checked by name, so that nothing is imported
 # from a protocol module this server may not be running.

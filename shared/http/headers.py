@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.errors import BundleError, HeadersTooLarge, InvalidRequest
-from shared.protocol import REQUEST_ID_MAX_LENGTH
+from shared.schemas import REQUEST_ID_MAX_LENGTH
 
 # 18 digits hold any event count a stream can reach (and stay below 2**63); a longer value is
 # not an id this server ever sent.

@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from shared.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from shared.generation.replay import WriteNow
 from shared.http.direct_write import Fallback, direct_write
-from shared.identity.replay import WriteNow
 from shared.service import Service
 from shared.settings import Settings
 

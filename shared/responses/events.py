@@ -1,6 +1,6 @@
 """Chat chunks -> Responses events, and the Response object they fold into.
 
-A response's generation writes ordinary chat chunks into the replay log (shared/identity/replay.py, or
+A response's generation writes ordinary chat chunks into the replay log (shared/generation/replay.py, or
 the shared store). Every reader, on any replica, runs this translation over the log from its
 first event, so the Responses events (and their `sequence_number`s) are the same for everyone:
 the translation depends only on the chunks and on the stored request, never on who reads or

@@ -9,7 +9,7 @@ keeps a reader of its own on the generation (the keeper) until it ends, so the g
 looks abandoned when the client leaves, and the keeper stores the final object.
 
 When that replica is lost (with a shared store and takeover), another continues the generation
-(shared/identity/replicas.py) and keeps it from then on: a replica that finds it runs a stored
+(shared/replicas/replicated.py) and keeps it from then on: a replica that finds it runs a stored
 response's generation keeps it. Nobody need come back for a background response: every replica
 looks for those whose replica is gone (`_adopt_orphans`, every ADOPT_EVERY_S) and opens them,
 which takes them over.
@@ -31,9 +31,10 @@ from typing import Any
 import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound
-from shared.identity.interface import Subscription
+from shared.generation.subscription import Subscription
 from shared.responses.door import cancel_generation, open_generation
 from shared.responses.events import Event, ResponseFolder, base_object, rebuilt_events
+from shared.responses.records import Record, ResponseStore, not_found, open_store
 from shared.responses.request import (
     ResponsesRequest,
     chat_body,
@@ -41,7 +42,6 @@ from shared.responses.request import (
     output_messages,
     parse_responses_request,
 )
-from shared.responses.store import Record, ResponseStore, not_found, open_store
 from shared.service import Service
 
 log = logging.getLogger(__name__)

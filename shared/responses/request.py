@@ -15,7 +15,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.errors import InvalidRequest
-from shared.protocol import TEMPERATURE_RANGE, ChatCompletionRequest, as_invalid_request, parse_request
+from shared.schemas import TEMPERATURE_RANGE, ChatCompletionRequest, as_invalid_request, parse_request
 
 # Input item and content types that need a model that sees or runs more than text.
 UNSUPPORTED_PARTS = frozenset({"input_image", "input_file", "input_audio", "image_url", "file"})
@@ -30,7 +30,7 @@ StrictModel = TypeVar("StrictModel", bound=_Strict)
 
 
 class InputTextPart(_Strict):
-    """A text part of an input message (the chat API's own is `shared.protocol.TextPart`)."""
+    """A text part of an input message (the chat API's own is `shared.schemas.TextPart`)."""
 
     type: Literal["input_text", "output_text", "text"]
     text: str

@@ -3,14 +3,14 @@ replica claims it first, followed from any other, cancelled from any, and taken 
 replica when the one running it is lost.
 
 `Service.open` calls `open` here for requests that carry an id (this is the shared-store
-`shared.identity.interface.Identity`). The order of questions:
+`shared.replicas.identity.Identity`). The order of questions:
 1. Does this replica hold the id (it owns the generation)? Its readers stay on the in-memory path.
 2. Otherwise claim the id in the store (SET NX). Won: start the generation here, as `Service.open`
    always did, and mirror its events into the store (`own`). Lost: follow the owner's stream.
 A resume never claims: a fresh generation under the old event ids would splice two texts.
 
 Takeover (BUNDLE_TAKEOVER, on by default): when the owner of a running generation is gone (its
-store connection closed: it died; or its heartbeat lapsed: the lease, shared/identity/store.py) or
+store connection closed: it died; or its heartbeat lapsed: the lease, shared/replicas/store.py) or
 handed it over at shutdown, the replica
 that a reader reaches swaps the claim to itself (TAKE_SCRIPT: of several that try, one wins) and
 continues the generation from its log on its own engine (`Service.continue_generation`), under
@@ -36,14 +36,15 @@ from urllib.parse import urlsplit
 import orjson
 
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
-from shared.identity.generation import HANDOFF
-from shared.identity.interface import Continuer, OpenHere, Subscription
-from shared.identity.redis_log import RemoteSubscription, SharedLog, StreamWriter
-from shared.identity.registry import CancelOutcome, Entry, Registry, final_status
-from shared.identity.replay import EventsPerWrite, ReplayBuffer, WriteNow
-from shared.identity.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
-from shared.identity.takeover import Logged, Recipe, read_log
+from shared.generation.output import HANDOFF
+from shared.generation.registry import CancelOutcome, Entry, Registry, final_status
+from shared.generation.replay import EventsPerWrite, ReplayBuffer, WriteNow
+from shared.generation.subscription import Subscription
 from shared.obs.metrics import Metrics
+from shared.replicas.identity import Continuer, OpenHere
+from shared.replicas.redis_log import RemoteSubscription, SharedLog, StreamWriter
+from shared.replicas.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
+from shared.replicas.takeover import Logged, Recipe, read_log
 from shared.settings import Settings
 from shared.streaming import DONE_DATA, Usage, error_frames
 

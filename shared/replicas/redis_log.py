@@ -23,8 +23,9 @@ from typing import Any, Protocol
 import orjson
 
 from shared.errors import BundleError, EventsGone, ProducerLost, StoredError, StoreUnavailable
-from shared.identity.replay import EventsPerWrite, ReplayBuffer, WriteNow
-from shared.identity.store import (
+from shared.generation.replay import EventsPerWrite, ReplayBuffer, WriteNow
+from shared.obs.metrics import Metrics
+from shared.replicas.store import (
     BODY,
     CHECK_EVERY_S,
     DATA,
@@ -36,8 +37,7 @@ from shared.identity.store import (
     Claim,
     IdentityStore,
 )
-from shared.identity.tokens import pack_ids
-from shared.obs.metrics import Metrics
+from shared.replicas.tokens import pack_ids
 from shared.streaming import DONE_DATA, Usage, error_frames, sse_data, sse_event
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class StreamWriter:
                 kept.final = kept.final or group.final
 
     def _batch(self, groups: dict[str, _Group]) -> AppendBatch:
-        """The flush as APPEND_SCRIPT's arguments (see shared/identity/store.py)."""
+        """The flush as APPEND_SCRIPT's arguments (see shared/replicas/store.py)."""
         batch = AppendBatch(args=[self._max_events, self._running_ttl_ms, len(groups)])
         args = batch.args
         for request_id, group in groups.items():
@@ -366,7 +366,7 @@ class SharedLog:
 
 
 class RemoteSubscription:
-    """A reader of a generation owned elsewhere: a `shared.identity.interface.Subscription`, as this
+    """A reader of a generation owned elsewhere: a `shared.generation.subscription.Subscription`, as this
     replica's own readers are."""
 
     def __init__(

@@ -1,7 +1,7 @@
 """What a takeover needs, read from the shared log: the recipe a generation was started with, what
 it sent so far (events, text, the token ids of that text), and the plan to continue it.
 
-A replica that takes over a generation whose producer is gone (shared/identity/replicas.py) sends
+A replica that takes over a generation whose producer is gone (shared/replicas/replicated.py) sends
 its own engine the original prompt followed by the token ids already sent, with the same sampling
 parameters and `max_tokens` reduced by them, and appends what comes to the same log under the
 next event ids. Token ids, not text: text tokenized again could merge differently at the seam.
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from shared.errors import ProducerLost
-from shared.identity.store import BODY, DATA, KEPT, TEXT, TOKENS
-from shared.identity.tokens import unpack_ids
+from shared.replicas.store import BODY, DATA, KEPT, TEXT, TOKENS
+from shared.replicas.tokens import unpack_ids
 from shared.streaming import DONE_DATA
 
 if TYPE_CHECKING:

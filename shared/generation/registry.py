@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import Cancelled, IdempotencyConflict, NotFound, Overloaded, abort_error
-from shared.identity.generation import HANDOFF, GenerationOutput
-from shared.identity.replay import EventsPerWrite, WriteNow
+from shared.generation.output import HANDOFF, GenerationOutput
+from shared.generation.replay import EventsPerWrite, WriteNow
 from shared.obs.metrics import Metrics
 from shared.settings import Settings
 from shared.streaming import Usage
@@ -54,7 +54,7 @@ class CancelOutcome:
 
 
 class LocalSubscription:
-    """One reader of a generation this replica runs (or ran): `shared.identity.interface.Subscription`."""
+    """One reader of a generation this replica runs (or ran): `shared.generation.subscription.Subscription`."""
 
     def __init__(self, registry: Registry, entry: Entry, after: int, metrics: Metrics) -> None:
         self._registry = registry
@@ -129,7 +129,7 @@ class Registry:
         self._held: dict[str, Entry] = {}  # by X-Request-Id, running or finished
         self._finished: OrderedDict[str, Entry] = OrderedDict()  # eviction order
         self._running: set[Entry] = set()
-        # With a shared store (shared/identity/replicas.py): seconds that readers on other replicas still
+        # With a shared store (shared/replicas/replicated.py): seconds that readers on other replicas still
         # hold a generation whose grace window ran out here; 0 means none, abort.
         self.followers_elsewhere: Callable[[Entry], Awaitable[float]] | None = None
         self._rechecks: set[asyncio.Task[None]] = set()

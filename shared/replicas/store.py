@@ -3,7 +3,7 @@ streams of every replica, in one Redis (or Valkey) database.
 
 Keys, one deployment per database (a second deployment uses another: redis://host/1):
   bundle:claim:{id}       JSON {fp, owner, stream, state, numbered, epoch}; SET NX makes the first
-                          replica the owner; a takeover (shared/identity/takeover.py) swaps the owner
+                          replica the owner; a takeover (shared/replicas/takeover.py) swaps the owner
                           and bumps the epoch; owner "" means handed off (anyone may take it over)
   bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, x = a text
                           piece of a non-streaming generation, b = a whole non-streaming answer or

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from shared.engine.contract import EngineDelta
 from shared.errors import BundleError, GenerationFailed, ShuttingDown, abort_error
-from shared.identity.replay import EventLog, Notifier
+from shared.generation.replay import EventLog, Notifier
 from shared.obs.metrics import Metrics
 from shared.shaping.choices import Choices
 from shared.streaming import DONE_DATA, ChunkEncoder, Usage, error_data

@@ -1,77 +1,21 @@
-"""Request identity as `Service` sees it: one interface, two implementations chosen by settings.
-
-- `LocalIdentity` (no BUNDLE_REDIS_URL): an id is matched within this process only; the registry
-  (shared/identity/registry.py) holds everything.
-- `Replicas` (shared/identity/replicas.py, BUNDLE_REDIS_URL set): an id is claimed in the shared store,
-  and a request whose id another replica claimed follows that replica's generation.
-
-Whatever the door (HTTP, a Cog prediction), `Service.open` goes through the one chosen here, so a
-retry that lands on another replica is matched the same way from both.
-
-`Subscription` is what a reader holds, from this replica's registry (`LocalSubscription`) or from
-the store (`RemoteSubscription`): the wrappers see only this protocol.
-"""
+"""Request identity as the door sees it: `Identity`, and `LocalIdentity` for a process with no
+shared store (BUNDLE_REDIS_URL unset); `Replicas` (replicated.py) is the other implementation."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from shared.errors import NotFound
-from shared.identity.replay import EventsPerWrite, WriteNow
-from shared.streaming import Usage
+from shared.generation.subscription import Subscription
 
 if TYPE_CHECKING:
-    from shared.identity.registry import CancelOutcome, Entry
-    from shared.identity.store import Claim
-    from shared.identity.takeover import Logged, Recipe
+    from shared.generation.registry import CancelOutcome, Entry
+    from shared.replicas.store import Claim
+    from shared.replicas.takeover import Logged, Recipe
 
 log = logging.getLogger(__name__)
-
-
-class Subscription(Protocol):
-    """One reader of one generation. Close it exactly when the reader is gone (idempotent)."""
-
-    @property
-    def request_id(self) -> str | None: ...
-
-    @property
-    def stream(self) -> bool: ...
-
-    @property
-    def usage(self) -> Usage:
-        """Prompt and generated token counts so far (final once the text has ended)."""
-        ...
-
-    async def admitted(self) -> None:
-        """Return once the request may reach the engine; raise its 4xx otherwise (before any 200)."""
-        ...
-
-    def events(
-        self,
-        coalesce_s: float = 0.0,
-        events_per_write: EventsPerWrite | None = None,
-        write_now: WriteNow | None = None,
-    ) -> AsyncIterator[bytes]:
-        """SSE bytes after the resume point until [DONE] (a streaming request); those that
-        `write_now` (the connection's direct write, where the server has one) took are not
-        yielded."""
-        ...
-
-    def text(self) -> AsyncIterator[str]:
-        """The generated text from the start, in pieces as it grows (the Cog runner's view)."""
-        ...
-
-    async def response(self) -> dict[str, Any]:
-        """The whole non-streaming body (raises the generation's error)."""
-        ...
-
-    def close(self) -> None: ...
-
-    def abandon(self) -> None:
-        """The reader stops early and will not come back: close, and abort if it was the last."""
-        ...
 
 
 OpenHere = Callable[[], Subscription]
