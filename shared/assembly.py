@@ -32,6 +32,8 @@ from shared.engine.vllm import import_engine_modules, open_engine, resolve_model
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.models.weights import bundled_pack, resolve_weights
+from shared.obs.gc_pauses import gc_pauses_observed
+from shared.obs.loop_lag import watch_loop_lag
 from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
 from shared.settings import Settings
@@ -77,10 +79,10 @@ async def _watched(service: Service, server_state: ServerState) -> AsyncIterator
     the block runs."""
     watchers = [
         asyncio.create_task(server_state.watch(service)),
-        asyncio.create_task(service.watch_loop_lag()),
+        asyncio.create_task(watch_loop_lag(service.metrics.event_loop_lag)),
     ]
     try:
-        with service.gc_pauses_observed():
+        with gc_pauses_observed(service.metrics.gc_pause):
             yield
     finally:
         for task in watchers:

@@ -107,7 +107,7 @@ async def _streams_ended(service: Service, bound_s: float) -> None:
     deadline = loop.time() + bound_s
     while loop.time() < deadline:
         running = service.stats()["running_generations"]
-        readers = service.streams_being_read()
+        readers = service.metrics.streams_read
         if running == 0 and readers == 0:
             return
         await asyncio.sleep(0.05)

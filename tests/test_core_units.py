@@ -323,7 +323,7 @@ async def test_under_stream_load_an_engine_that_paces_each_request_is_asked_for_
     pacing = ScriptedEngine()
     pacing.paces_each_request = True
     service, engine = make_service(pacing, stream_batch_at=2)
-    assert not service.pairs_writes  # the engine paces: the writes are not held as well
+    assert not service.pacing.pairs_writes  # the engine paces: the writes are not held as well
     # Counted as they are admitted: a burst's third request already sees two running.
     readers = [await service.open("chat", chat()) for _ in range(4)]
     await settle()
@@ -337,15 +337,15 @@ async def test_under_stream_load_an_engine_that_paces_each_request_is_asked_for_
     assert len(engine.requests) == 5 and engine.requests[-1].stream_interval is None
 
     service, engine = make_service(stream_batch_at=2)  # an engine that cannot pace requests
-    assert service.pairs_writes and service.events_per_write() == 1
+    assert service.pacing.pairs_writes and service.pacing.events_per_write() == 1
     readers = [await service.open("chat", chat()) for _ in range(3)]
     await settle()
-    assert service.events_per_write() == 2 and {r.stream_interval for r in engine.requests} == {None}
+    assert service.pacing.events_per_write() == 2 and {r.stream_interval for r in engine.requests} == {None}
     engine.auto = True
     engine.step(8)
     await asyncio.gather(*(drain(reader.events()) for reader in readers))
-    assert service.events_per_write() == 1
-    assert not make_service()[0].pairs_writes  # unset: neither
+    assert service.pacing.events_per_write() == 1
+    assert not make_service()[0].pacing.pairs_writes  # unset: neither
 
 
 async def test_a_paced_reader_writes_events_in_pairs_after_the_first_two_and_nothing_waits_at_the_end() -> None:
@@ -756,7 +756,7 @@ def test_a_running_service_serves_with_its_gc_thresholds_and_times_collections()
     async def inside() -> tuple[tuple[int, int, int], bytes]:
         async with start_service(settings, engine=ScriptedEngine(auto=True)) as service:
             gc.collect(1)
-            return gc.get_threshold(), service.metrics_text()
+            return gc.get_threshold(), service.metrics.exposition()
 
     thresholds, exposition = asyncio.run(inside())
     assert thresholds == (900, 9, 90)

@@ -61,7 +61,7 @@ def test_under_load_vllm_hands_a_new_streams_tokens_out_in_pairs_and_nothing_is_
     live: LiveServers, gate: Gate
 ) -> None:
     url, service = live.serve(stream_batch_at=1)  # one stream being written is "load"
-    assert not service.pairs_writes  # vLLM 0.32 paces each request: the writes are not held too
+    assert not service.pacing.pairs_writes  # vLLM 0.32 paces each request: the writes are not held too
     body = {
         "model": "tiny",
         "prompt": "Once upon",

@@ -113,7 +113,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        body = service_of(request).metrics_text()
+        body = service_of(request).metrics.exposition()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -181,14 +181,14 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
     except BaseException:
         subscription.close()
         raise
-    service.record_admission(admission_seconds(request.scope))
+    service.metrics.admission.observe(admission_seconds(request.scope))
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)
     settings = service.settings
-    pacing = service.events_per_write if service.pairs_writes else None
+    pacing = service.pacing.events_per_write if service.pacing.pairs_writes else None
     coalesce_s = settings.stream_coalesce_ms / 1000
-    fallback = service.count_direct_write_fallback if settings.stream_direct_writes else None
+    fallback = service.metrics.count_direct_write_fallback if settings.stream_direct_writes else None
 
     def events(write_now: WriteNow | None) -> AsyncIterator[bytes]:
         return subscription.events(coalesce_s, pacing, write_now)
@@ -288,4 +288,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _count_rejection(request: Request, status: int) -> None:
     service = getattr(request.app.state, "service", None)
     if service is not None:
-        service.count_rejection(status)
+        service.metrics.count_rejection(status)

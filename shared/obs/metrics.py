@@ -170,6 +170,14 @@ class Metrics:
             "bundle_model_generation_tokens", "Tokens generated, per model.", ["model"], registry=r
         )
 
+    def count_rejection(self, status: int) -> None:
+        """A request refused before it reached the engine, by its HTTP status."""
+        self.rejected_requests.labels(str(status)).inc()
+
+    def count_direct_write_fallback(self, reason: str) -> None:
+        """A stream chunk that went through the server's send instead of a direct write, and why."""
+        self.direct_write_fallbacks.labels(reason).inc()
+
     def count_model(self, model: str, prompt_tokens: int, generated_tokens: int) -> None:
         self.model_requests.labels(model).inc()
         self.model_prompt_tokens.labels(model).inc(prompt_tokens)

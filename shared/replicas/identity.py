@@ -1,10 +1,17 @@
 """Request identity as the door sees it: `Identity`, and `LocalIdentity` for a process with no
-shared store (BUNDLE_REDIS_URL unset); `Replicas` (replicated.py) is the other implementation."""
+shared store (BUNDLE_REDIS_URL unset); `Replicas` (replicated.py) is the other implementation.
+
+The door asks where the generation an id names is read (`place`); the answer is a `Placement`:
+followed from elsewhere (another replica's, or one just taken over here), or to be opened by the
+door on this replica, inside the placement's block, with nothing awaited between the lookup and
+the start (so two requests with one id can never start two generations).
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from shared.errors import NotFound
@@ -12,33 +19,31 @@ from shared.generation.subscription import Subscription
 
 if TYPE_CHECKING:
     from shared.generation.registry import CancelOutcome, Entry
-    from shared.replicas.store import Claim
-    from shared.replicas.takeover import Logged, Recipe
-
-log = logging.getLogger(__name__)
+    from shared.replicas.takeover import Recipe
 
 
-OpenHere = Callable[[], Subscription]
-# How a replica continues a generation it took over (the service's engine): the claim, now its
-# own; what the log holds; when the loss was found (time.monotonic()).
-Continuer = Callable[[str, "Claim", "Logged", float], Awaitable["Entry"]]
+def _as_is(subscription: Subscription) -> Subscription:
+    return subscription
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's generation is read. `elsewhere`: a reader the identity layer opened
+    (the door returns it). None: the door opens the generation here and passes its reader
+    through `here` (which lets the identity layer follow it across a takeover)."""
+
+    elsewhere: Subscription | None = None
+    here: Callable[[Subscription], Subscription] = field(default=_as_is)
 
 
 class Identity(Protocol):
     """Which generation a request id names, across whatever replicas share it."""
 
-    async def open(
-        self,
-        request_id: str,
-        fingerprint: str,
-        stream: bool,
-        last_event_id: int | None,
-        here: OpenHere,
-        *,
-        numbered: bool,
-    ) -> Subscription:
-        """Follow the generation this id names; `here()` opens it on this replica (attach,
-        resume, or start) when it is (or becomes) this replica's."""
+    def place(
+        self, request_id: str, fingerprint: str, stream: bool, last_event_id: int | None, *, numbered: bool
+    ) -> AbstractAsyncContextManager[Placement]:
+        """Where the generation this id names is read. A door that opens it here does so inside
+        the block; an exception from the block undoes what placing did (a claim is released)."""
         ...
 
     def mirror(self, entry: Entry, kept: int | None = None) -> None:
@@ -53,10 +58,6 @@ class Identity(Protocol):
 
     def own(self, entry: Entry) -> None:
         """Once it started: record its end where others can read it."""
-        ...
-
-    def continue_with(self, continuer: Continuer) -> None:
-        """How this replica continues a generation it takes over (the service's engine)."""
         ...
 
     async def orphans(self, request_ids: list[str]) -> list[str]:
@@ -77,17 +78,11 @@ class Identity(Protocol):
 class LocalIdentity:
     """Identity within this process: the registry is all there is."""
 
-    async def open(
-        self,
-        request_id: str,
-        fingerprint: str,
-        stream: bool,
-        last_event_id: int | None,
-        here: OpenHere,
-        *,
-        numbered: bool,
-    ) -> Subscription:
-        return here()  # no await before it: a lookup and a start cannot be split by another request
+    @asynccontextmanager
+    async def place(
+        self, request_id: str, fingerprint: str, stream: bool, last_event_id: int | None, *, numbered: bool
+    ) -> AsyncIterator[Placement]:
+        yield Placement()  # always here; nothing awaited before the door's lookup and start
 
     def mirror(self, entry: Entry, kept: int | None = None) -> None:
         pass  # nobody elsewhere reads it
@@ -96,9 +91,6 @@ class LocalIdentity:
         pass  # nobody elsewhere could take it over
 
     def own(self, entry: Entry) -> None:
-        pass
-
-    def continue_with(self, continuer: Continuer) -> None:
         pass
 
     async def orphans(self, request_ids: list[str]) -> list[str]:

@@ -2,7 +2,7 @@
 replica claims it first, followed from any other, cancelled from any, and taken over by another
 replica when the one running it is lost.
 
-`Service.open` calls `open` here for requests that carry an id (this is the shared-store
+`Service.open` asks `place` for requests that carry an id (this is the shared-store
 `shared.replicas.identity.Identity`). The order of questions:
 1. Does this replica hold the id (it owns the generation)? Its readers stay on the in-memory path.
 2. Otherwise claim the id in the store (SET NX). Won: start the generation here, as `Service.open`
@@ -13,7 +13,7 @@ Takeover (BUNDLE_TAKEOVER, on by default): when the owner of a running generatio
 store connection closed: it died; or its heartbeat lapsed: the lease, shared/replicas/store.py) or
 handed it over at shutdown, the replica
 that a reader reaches swaps the claim to itself (TAKE_SCRIPT: of several that try, one wins) and
-continues the generation from its log on its own engine (`Service.continue_generation`), under
+continues the generation from its log on its own engine (continuation.py), under
 the next event ids. Every write of the log is fenced by the writer's claim, so a replica that
 comes back from a pause to find its claim taken writes nothing more and stops.
 
@@ -28,9 +28,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -38,17 +37,17 @@ import orjson
 from shared.errors import BundleError, EventsGone, IdempotencyConflict, InvalidRequest, NotFound, ProducerLost
 from shared.generation.output import HANDOFF
 from shared.generation.registry import CancelOutcome, Entry, Registry, final_status
-from shared.generation.replay import EventsPerWrite, ReplayBuffer, WriteNow
+from shared.generation.replay import ReplayBuffer
 from shared.generation.subscription import Subscription
 from shared.obs.metrics import Metrics
-from shared.replicas.identity import Continuer, OpenHere
+from shared.replicas.continuation import Continuation
+from shared.replicas.identity import Placement
+from shared.replicas.owned_reader import OwnedReader
 from shared.replicas.redis_log import RemoteSubscription, SharedLog, StreamWriter
 from shared.replicas.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
 from shared.replicas.takeover import Logged, Recipe, read_log
 from shared.settings import Settings
-from shared.streaming import DONE_DATA, Usage, error_frames
-
-DONE_FRAME_END = b"data: [DONE]\n\n"  # how a whole stream's last event ends, numbered or not
+from shared.streaming import DONE_DATA
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,9 @@ STORE_DRAIN_BOUND_S = 5.0
 
 
 class Replicas:
-    def __init__(self, settings: Settings, registry: Registry, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, registry: Registry, metrics: Metrics, continuation: Continuation | None = None
+    ) -> None:
         assert settings.redis_url is not None
         url = settings.redis_url.get_secret_value()
         self.replica_id = uuid.uuid4().hex[:16]
@@ -78,7 +79,7 @@ class Replicas:
             # window would delay every token by that much, so none (one loop turn) is used.
             window_s=0.0 if self.takeover else settings.redis_write_window_ms / 1000,
         )
-        self.continuer: Continuer | None = None  # set by the service that runs the engine
+        self.continuation = continuation  # how this replica's engine goes on with one taken over
         self._busy: dict[str, asyncio.Future[None]] = {}  # ids being claimed or taken over here
         self._claims: dict[str, Claim] = {}  # claims won, for the generation about to start here
         self._tasks: set[asyncio.Task[object]] = set()
@@ -93,22 +94,24 @@ class Replicas:
         )
 
     # --- open -----------------------------------------------------------------------------------
-    async def open(
-        self,
-        request_id: str,
-        fingerprint: str,
-        stream: bool,
-        last_event_id: int | None,
-        here: OpenHere,
-        *,
-        numbered: bool,
-    ) -> Subscription:
-        """`here()` opens on this replica (attach, resume or start, as `Service.open`)."""
+    @contextlib.asynccontextmanager
+    async def place(
+        self, request_id: str, fingerprint: str, stream: bool, last_event_id: int | None, *, numbered: bool
+    ) -> AsyncIterator[Placement]:
+        """Here when this replica holds the id or wins its claim (released again if the door
+        refuses the request in the block); else a reader of the generation elsewhere."""
+        after = last_event_id or 0
         async with self._exclusive(request_id):
             if self._registry.find(request_id, fingerprint) is not None:
-                return self._owned(request_id, fingerprint, here(), last_event_id or 0)
+                yield Placement(here=lambda local: self._owned(request_id, fingerprint, local, after))
+                return
             mine = Claim(fingerprint, self.replica_id, stream, numbered=numbered)
-            return await self._claim_or_follow(request_id, mine, last_event_id, here)
+            elsewhere = await self._claim_or_follow(request_id, mine, last_event_id)
+            if elsewhere is not None:
+                yield Placement(elsewhere)
+                return
+            async with self._claimed(request_id, mine):
+                yield Placement(here=lambda local: self._owned(request_id, fingerprint, local, 0))
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, request_id: str) -> AsyncIterator[None]:
@@ -124,12 +127,13 @@ class Replicas:
             done.set_result(None)
 
     async def _claim_or_follow(
-        self, request_id: str, mine: Claim, last_event_id: int | None, here: OpenHere
-    ) -> Subscription:
+        self, request_id: str, mine: Claim, last_event_id: int | None
+    ) -> Subscription | None:
+        """None: the claim is this replica's now (a new generation starts here)."""
         if last_event_id is None:
             claim = await self.store.claim(request_id, mine, self._claim_ttl_s)
             if claim is None:
-                return await self._start(request_id, mine, here)
+                return None
         else:
             claim = await self.store.get(request_id)
             if claim is None:
@@ -160,12 +164,14 @@ class Replicas:
         rescue = self._rescue if self.takeover else None
         return RemoteSubscription(self.store, request_id, claim, after, self._metrics, rescue)
 
-    async def _start(self, request_id: str, mine: Claim, here: OpenHere) -> Subscription:
-        self._claims[request_id] = mine  # what `mirror` fences the log with
+    @contextlib.asynccontextmanager
+    async def _claimed(self, request_id: str, mine: Claim) -> AsyncIterator[None]:
+        """While the door starts the generation: the claim `mirror` fences the log with. Refused
+        after the claim (bad input, 429): the id is freed, or nobody could use it."""
+        self._claims[request_id] = mine
         try:
-            return self._owned(request_id, mine.fingerprint, here(), 0)  # here() validates, admits, starts
+            yield
         except BaseException:
-            # Refused after the claim (bad input, 429): free the id, or nobody could use it.
             with contextlib.suppress(BundleError):
                 await self.store.release(request_id)
             raise
@@ -218,7 +224,7 @@ class Replicas:
         """Claim a generation whose owner is gone and continue it here. Returns the generation
         (taken here), the claim in force (another replica's, or an ended one), or None (no
         takeover: it is off, or the claim is gone)."""
-        if not self.takeover or self.continuer is None:
+        if not self.takeover or self.continuation is None:
             return None
         held = await self.store.held(request_id)
         if held is None or not held.claim.running:
@@ -246,10 +252,17 @@ class Replicas:
         return await self._continue(request_id, new, logged, lost_at)
 
     async def _continue(self, request_id: str, claim: Claim, logged: Logged, lost_at: float) -> Entry:
-        assert self.continuer is not None
+        """Run the rest here, under `claim` (this replica's now). Raises Overloaded (429) at the
+        in-flight cap."""
+        assert self.continuation is not None
         self._claims[request_id] = claim
         try:
-            return await self.continuer(request_id, claim, logged, lost_at)
+            continued = await self.continuation.prepare(request_id, claim, logged, lost_at)
+            self.mirror(continued.entry, kept=None if continued.refusal else continued.kept)
+            self._registry.start(continued.entry, continued.producer)
+            self.own(continued.entry)
+            self.continuation.started(continued)
+            return continued.entry
         except BaseException:
             # Not started here (429, or a failure): hand the claim on, so another replica can.
             self._fence(request_id, claim).finish(request_id, replace(claim, owner=""), None, running=True)
@@ -271,9 +284,6 @@ class Replicas:
             return taken
         self._registry.unattended(taken)
         return await self.store.get(request_id)
-
-    def continue_with(self, continuer: Continuer) -> None:
-        self.continuer = continuer
 
     async def orphans(self, request_ids: list[str]) -> list[str]:
         """Those ids whose generation runs with its owner gone (for background work: nobody
@@ -403,84 +413,6 @@ class Replicas:
             async with asyncio.timeout(STORE_DRAIN_BOUND_S):
                 await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.aclose()
-
-
-class OwnedReader:
-    """A reader of a generation this replica runs (a `Subscription`). Another replica may take the
-    generation over meanwhile (this one was paused past its lease, or cut off from the store):
-    then the log here stops short of [DONE], and the reader goes on from the shared log, the
-    taker's tokens, after the last event it got here. With takeover, an event reaches a reader
-    here only once the store holds it, so nothing it got is missing from that log, and its client
-    sees one stream, byte for byte what every other client of the id sees."""
-
-    def __init__(
-        self,
-        local: Subscription,
-        shared: SharedLog,
-        after: int,
-        from_log: Callable[[int], Awaitable[Subscription]],
-    ) -> None:
-        self._local = local
-        self._shared = shared
-        self._after = after
-        self._from_log = from_log
-
-    @property
-    def request_id(self) -> str | None:
-        return self._local.request_id
-
-    @property
-    def stream(self) -> bool:
-        return self._local.stream
-
-    @property
-    def usage(self) -> Usage:
-        return self._local.usage
-
-    async def admitted(self) -> None:
-        await self._local.admitted()
-
-    async def events(
-        self,
-        coalesce_s: float = 0.0,
-        events_per_write: EventsPerWrite | None = None,
-        write_now: WriteNow | None = None,
-    ) -> AsyncIterator[bytes]:
-        sent = self._after  # the sequence of the last event this reader got
-        last = b""
-
-        def counted(chunk: bytes) -> bool:
-            nonlocal sent
-            taken = write_now is not None and write_now(chunk)
-            if taken:
-                sent += chunk.count(b"\n\n")  # one SSE event each: JSON data holds no blank line
-            return taken
-
-        async for chunk in self._local.events(coalesce_s, events_per_write, counted if write_now else None):
-            sent += chunk.count(b"\n\n")
-            last = chunk
-            yield chunk
-        if not self._shared.taken_over or last.endswith(DONE_FRAME_END):
-            return
-        try:
-            remote = await self._from_log(sent)
-        except BundleError as error:
-            yield error_frames(error)
-            return
-        async for chunk in remote.events():
-            yield chunk
-
-    def text(self) -> AsyncIterator[str]:
-        return self._local.text()
-
-    async def response(self) -> dict[str, Any]:
-        return await self._local.response()
-
-    def close(self) -> None:
-        self._local.close()
-
-    def abandon(self) -> None:
-        self._local.abandon()
 
 
 class _Fence:

@@ -20,17 +20,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from shared.engine.contract import SamplingRequest
 from shared.errors import ProducerLost
 from shared.replicas.store import BODY, DATA, KEPT, TEXT, TOKENS
 from shared.replicas.tokens import unpack_ids
 from shared.streaming import DONE_DATA
 
 if TYPE_CHECKING:
-    from shared.engine.contract import EngineDelta, SamplingRequest
+    from shared.engine.contract import EngineDelta
 
 # What a decoder gives for each id: its new text, or None while it ends inside a character.
 DecodeSteps = Sequence[str | None]
@@ -59,33 +61,29 @@ class Recipe:
         return cls(**orjson.loads(raw))
 
 
-SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "ignore_eos",
-    "n",
-    "logprobs",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-)
+# A SamplingRequest's fields the log leaves out: the prompt is the recipe's own; a constraint
+# never continues (`refusal_of`); the pacing and the adapter are the continuing replica's.
+NOT_LOGGED = frozenset({"prompt_token_ids", "constraint", "stream_interval", "adapter"})
+LOGGED_FIELDS = tuple(f.name for f in dataclass_fields(SamplingRequest) if f.name not in NOT_LOGGED)
 
 
 def sampling_of(request: SamplingRequest) -> dict[str, Any]:
-    plain = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+    """The logged fields of `request` as JSON-ready values (`sampling_from` reverses it)."""
+    plain = {name: getattr(request, name) for name in LOGGED_FIELDS}
     plain["stop"] = list(request.stop)
     plain["stop_token_ids"] = list(request.stop_token_ids)
     plain["logit_bias"] = [[token, bias] for token, bias in request.logit_bias.items()]
     return plain
+
+
+def sampling_from(recipe: Recipe) -> SamplingRequest:
+    """The request a generation was started with, as its log holds it (no constraint, adapter
+    or pacing: see NOT_LOGGED)."""
+    given = dict(recipe.sampling)
+    given["stop"] = tuple(given["stop"])
+    given["stop_token_ids"] = tuple(given["stop_token_ids"])
+    given["logit_bias"] = {int(token): float(bias) for token, bias in given["logit_bias"]}
+    return SamplingRequest(prompt_token_ids=list(recipe.prompt), **given)
 
 
 def refusal_of(request: SamplingRequest, shaped: bool) -> str | None:

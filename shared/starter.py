@@ -1,0 +1,190 @@
+"""How a new generation starts on this replica: its prompt rendered and checked, its output
+registered, the engine's deltas produced into it, and its recipe logged for a takeover.
+
+A short prompt is rendered and checked at once (cheaper than any hop, and a 4xx reaches the
+caller before anything runs); a long one inside the generation's task, in the one tokenizer
+thread, and readers wait for that verdict (`Subscription.admitted`) before any 200 is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from shared.engine.contract import Engine, SamplingRequest
+from shared.engine.lora import Adapters
+from shared.errors import BundleError, Cancelled, GenerationFailed
+from shared.generation.output import GenerationOutput, produce
+from shared.generation.pacing import StreamPacing
+from shared.generation.registry import Entry, Registry
+from shared.generation.replay import ReplayBuffer
+from shared.obs.metrics import Metrics
+from shared.replicas import takeover
+from shared.replicas.identity import Identity
+from shared.sampling import (
+    OpenAIRequest,
+    check_prompt_size,
+    output_choices,
+    prompt_chars,
+    prompt_ids,
+    sampling_request,
+)
+from shared.settings import Settings
+from shared.streaming import ChunkEncoder, Kind
+
+log = logging.getLogger(__name__)
+
+# Prompts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones in the tokenizer thread, so one huge prompt never stalls the other streams.
+INLINE_TOKENIZE_MAX_CHARS = 4096
+Prepared = tuple[list[int], SamplingRequest]
+
+
+class Starter:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        metrics: Metrics,
+        adapters: Adapters,
+        registry: Registry,
+        pacing: StreamPacing,
+        tokenizer_thread: Executor,
+    ) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._metrics = metrics
+        self._adapters = adapters
+        self._registry = registry
+        self._pacing = pacing
+        self._tokenizer_thread = tokenizer_thread
+
+    def start(
+        self,
+        identity: Identity,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None,
+        fingerprint: str | None,
+        *,
+        numbered: bool,
+    ) -> Entry:
+        """Register and start a generation (mirrored and owned through `identity` when it has
+        an id, so that other replicas can follow it). Raises its 4xx or 429 before it starts."""
+        chars = prompt_chars(body)
+        check_prompt_size(body, chars, self._settings)
+        prepared = None
+        if chars <= INLINE_TOKENIZE_MAX_CHARS:
+            ids = prompt_ids(body, self._engine, self._settings)
+            prepared = (ids, self._sampling(body, ids))
+        completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        output = GenerationOutput(
+            encoder=ChunkEncoder(kind, completion_id, body.model),  # the base's name or an adapter's
+            events=ReplayBuffer(self._settings.max_events_per_request, numbered=numbered),
+            stream=body.stream,
+            include_usage=body.include_usage,
+            choices=output_choices(kind, body, self._engine),
+        )
+
+        async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
+            await self._prepare_and_produce(identity, entry, kind, body, abort_reason, prepared)
+
+        if prepared is not None:
+            output.accept(prompt_tokens=len(prepared[0]))
+        entry = Entry(request_id=request_id, fingerprint=fingerprint, output=output)
+        if request_id is not None:  # others may follow it: what they read goes behind it first
+            identity.mirror(entry)
+        self._registry.start(entry, producer)
+        if request_id is not None:
+            identity.own(entry)
+        return entry
+
+    def _sampling(self, body: OpenAIRequest, ids: list[int]) -> SamplingRequest:
+        adapter = self._adapters.resolve(body.model)
+        interval = self._pacing.engine_interval()
+        return sampling_request(
+            body, ids, self._engine, self._settings, adapter=adapter, stream_interval=interval
+        )
+
+    async def _prepare_and_produce(
+        self,
+        identity: Identity,
+        entry: Entry,
+        kind: Kind,
+        body: OpenAIRequest,
+        abort_reason: Callable[[], str],
+        prepared: Prepared | None,
+    ) -> None:
+        output = entry.output
+        if prepared is None:
+            prepared = await self._prepare(output, body, abort_reason)
+            if prepared is None:
+                return
+            output.accept(prompt_tokens=len(prepared[0]))
+        sampling = prepared[1]
+        if entry.request_id is not None:
+            identity.record(entry, lambda: _recipe(output, kind, body, sampling))
+        await self._produce(output, sampling, abort_reason)
+
+    async def _prepare(
+        self, output: GenerationOutput, body: OpenAIRequest, abort_reason: Callable[[], str]
+    ) -> Prepared | None:
+        """A long prompt, rendered and checked off the event loop; None once its readers got
+        the refusal instead."""
+        try:
+            ids = await self._render_in_thread(body)
+            return ids, self._sampling(body, ids)
+        except BundleError as exc:
+            output.reject(exc)  # a 4xx for every reader; the engine never saw it
+        except asyncio.CancelledError:  # aborted while rendering (its only reader left)
+            output.reject(Cancelled(f"generation aborted: {abort_reason()}"))
+        except Exception as exc:  # a tokenizer failure must not leave readers waiting
+            log.exception("rendering the prompt failed")
+            output.reject(GenerationFailed(f"rendering the prompt failed: {type(exc).__name__}"))
+        return None
+
+    async def _produce(
+        self, output: GenerationOutput, sampling: SamplingRequest, abort_reason: Callable[[], str]
+    ) -> None:
+        completion_id = output.encoder.completion_id
+        try:
+            await produce(
+                output,
+                self._engine.generate(completion_id, sampling),
+                self._metrics,
+                self._settings.request_timeout_s,
+                abort_reason,
+            )
+        finally:  # per model, counted once per generation: nothing on the per-token path
+            adapter = sampling.adapter
+            if adapter is None or self._adapters.holds(adapter):  # an unloaded one's series are gone
+                model = adapter.name if adapter else self._settings.model_name
+                self._metrics.count_model(model, output.usage.prompt_tokens, output.usage.completion_tokens)
+
+    async def _render_in_thread(self, body: OpenAIRequest) -> list[int]:
+        """Tokenize (or apply the chat template) in the one tokenizer thread (one, because a
+        Hugging Face tokenizer is not safe to call from two threads at once)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread, prompt_ids, body, self._engine, self._settings
+        )
+
+
+def _recipe(
+    output: GenerationOutput, kind: Kind, body: OpenAIRequest, sampling: SamplingRequest
+) -> takeover.Recipe:
+    """What another replica needs to take the generation over (built only where one can)."""
+    return takeover.Recipe(
+        kind=kind,
+        completion_id=output.encoder.completion_id,
+        created=output.encoder.created,
+        model=body.model,
+        stream=output.stream,
+        include_usage=output.include_usage,
+        prompt=list(sampling.prompt_token_ids),
+        sampling=takeover.sampling_of(sampling),
+        refusal=takeover.refusal_of(sampling, shaped=output.choices is not None),
+    )
