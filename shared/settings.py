@@ -152,7 +152,7 @@ class EngineSection(Section):
         ge=1,
         description="Largest step, in tokens, captured as a CUDA graph. Unset: vLLM's own default "
         "(twice max_num_seqs, at most 512). The sizes serve mixed prefill + decode steps too, "
-        "so a cap at max_num_seqs slows sustained load (see README, cold start). "
+        "so a cap at max_num_seqs slows sustained load (docs/cold-start.md, what each knob costs). "
         "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
     )
     trust_remote_code: bool = Field(
