@@ -1,8 +1,8 @@
 """Modal-only settings: `BUNDLE_MODAL_*` variables, read by `modal_app/` and nothing else.
 
 They live beside the Modal app, not in the core's `Settings`, because only the deploy reads
-them: the serving core never needs to know which GPU Modal gave it. The variable names are the
-same as before they moved, so existing deploy commands keep working.
+them: the serving core never needs to know which GPU Modal gave it. Their variables carry the
+core's prefix (`BUNDLE_MODAL_*`), so one deploy command sets both.
 """
 
 from __future__ import annotations
