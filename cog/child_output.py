@@ -1,6 +1,6 @@
 """Plain stdout/stderr for the processes vLLM forks inside coglet's worker.
 
-Why (measured with coglet 0.23.1; the cause of the H200's SETUP_FAILED, issue 28):
+Why (measured with coglet 0.23.1 and vLLM 0.26's GPU build, where setup failed with no cause logged):
 - Coglet's worker replaces `sys.stdout`/`sys.stderr` with `coglet._sdk._SlotLogWriter`, a Rust
   object that hands every line to a tokio channel read by the worker's own runtime threads.
   Its file descriptors 1 and 2 are pipes that other worker threads read into coglet's log.
@@ -10,9 +10,9 @@ Why (measured with coglet 0.23.1; the cause of the H200's SETUP_FAILED, issue 28
   anything else the child writes through the copied writer, goes to a channel whose reading
   threads were not copied by fork: lost. So the parent only says "Engine core initialization
   failed. See root cause above" with nothing above. (`VLLM_CONFIGURE_LOGGING=0` skips
-  `decorate_logs`, hence it booted; `spawn` starts a fresh interpreter with plain streams,
-  at the price of importing vLLM again. vLLM's CPU platform forces spawn, and 0.32 no longer
-  wraps the streams, hence the runner booted on CPU.)
+  `decorate_logs`, so the core starts; `spawn` starts a fresh interpreter with plain streams,
+  at the price of importing vLLM again. vLLM's CPU platform forces spawn, and 0.32 does not
+  wrap the streams, so the runner on CPU never meets this.)
 
 The fix keeps fork (the cheap start): every child forked from the worker starts with plain,
 line-buffered text streams on descriptors 1 and 2, the pipes coglet already reads, and the

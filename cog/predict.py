@@ -13,7 +13,7 @@ How streaming AND concurrency work on cog/coglet 0.23.1 (the pinned version):
   `run_coroutine_threadsafe(...).result()`, which parks only that slot thread (GIL released), so
   N predictions stream side by side while the loop keeps serving the engine.
 - Cancel: coglet does not tell the generator, and a cancel that comes while run() is being
-  submitted or is returning used to leave its generation running; `cog_cancel` intercepts
+  submitted or is returning would leave its generation running; `cog_cancel` intercepts
   coglet's cancel whenever it comes and aborts the engine request (fragile, checked, explained
   there, with the one window only coglet can close).
 

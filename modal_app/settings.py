@@ -1,16 +1,16 @@
 """Modal-only settings: `BUNDLE_MODAL_*` variables, read by `modal_app/` and nothing else.
 
 They live beside the Modal app, not in the core's `Settings`, because only the deploy reads
-them: the serving core never needs to know which GPU Modal gave it. The variable names are the
-same as before they moved, so existing deploy commands keep working.
+them: the serving core never needs to know which GPU Modal gave it. Their variables carry the
+core's prefix (`BUNDLE_MODAL_*`), so one deploy command sets both.
 """
 
 from __future__ import annotations
 
-import json
-
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.env_values import explicit_variables
 
 
 class ModalSettings(BaseSettings):
@@ -87,11 +87,4 @@ class ModalSettings(BaseSettings):
     def deploy_env(self) -> dict[str, str]:
         """The BUNDLE_MODAL_* variables given explicitly, so the container rebuilds the same
         decorator values when it imports the app again (secrets never travel this way)."""
-        env: dict[str, str] = {}
-        for name in sorted(self.model_fields_set):
-            value = getattr(self, name)
-            if value is None or isinstance(value, SecretStr):
-                continue
-            rendered = json.dumps(value) if isinstance(value, bool) else str(value)
-            env[f"BUNDLE_MODAL_{name.upper()}"] = rendered
-        return env
+        return explicit_variables(self)

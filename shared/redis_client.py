@@ -4,17 +4,17 @@ The identity store (shared/replicas/store.py) and the Responses API's store
 (shared/responses/records.py) share one server; built here, they fail and recover the same way.
 redis-py is imported inside the function, so a process with no store configured never loads it.
 
-At full load (hundreds of requests with ids admitted in one burst) two things used to fail
-requests while the store was up (tests/test_store_load.py shows both):
-- redis-py's default pool holds at most 100 connections and raises MaxConnectionsError past
-  them instead of waiting: a burst of 256 claims in one process failed ~40 % of them. The pool
-  here is bounded and *blocking*: a command waits for a free connection, it never fails for
-  want of one. A loopback round trip takes ~0.1 ms, so a few dozen connections carry thousands
-  of commands a second.
-- Timeouts ran on the event loop's clock, so an API process whose own loop was busy for a
-  second (a burst of new streams, a long collection) tripped them while the store had answered
-  long before. `answer_bound` replaces them: it fails a round trip only when the store gave
-  no answer to this process for that long while the loop itself ran on time.
+At full load (hundreds of requests with ids admitted in one burst) two of redis-py's defaults
+fail requests while the store is up (tests/test_store_load.py shows both):
+- Its default pool holds at most 100 connections and raises MaxConnectionsError past them
+  instead of waiting: a burst of 256 claims in one process fails ~40 % of them. The pool here
+  is bounded and *blocking*: a command waits for a free connection, it never fails for want of
+  one. A loopback round trip takes ~0.1 ms, so a few dozen connections carry thousands of
+  commands a second.
+- Its timeouts run on the event loop's clock, so an API process whose own loop is busy for a
+  second (a burst of new streams, a long collection) trips them while the store answered long
+  before. `answer_bound` replaces them: it fails a round trip only when the store gave no
+  answer to this process for that long while the loop itself ran on time.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""The one settings object. Every knob of the bundle lives here; nothing else reads the environment.
+"""The one settings object, `Settings`: every knob of the bundle, each read from a ``BUNDLE_*``
+variable (``model`` is ``BUNDLE_MODEL``). Nothing else reads the environment.
 
-Each field maps to an environment variable with the ``BUNDLE_`` prefix (``model`` is
-``BUNDLE_MODEL``). Tests and wrappers build ``Settings(...)`` with keyword overrides instead of
-touching ``os.environ``.
+Tests and wrappers build ``Settings(...)`` with keyword overrides, not ``os.environ``. How a
+variable's text becomes a value, and how explicit fields go back to variables: shared/env_values.py.
 
 Sections. The fields are grouped by what they govern, one small class per group (``EngineSection``,
 ``LimitsSection``, ``IdentitySection``, ...; the suffix keeps them apart from the engine protocol,
-the identity protocol and the like), and ``Settings`` inherits them all. The result is still one
-flat object: ``settings.max_num_seqs``, ``BUNDLE_MAX_NUM_SEQS``, ``model_fields_set`` and
-``model_copy(update=...)`` work as before. Nested models (``settings.engine.max_num_seqs``) were not
-chosen: pydantic-settings would name their variables ``BUNDLE_ENGINE__MAX_NUM_SEQS`` unless each
-field carried an alias, every reader across the code would change, and "was this set explicitly?"
-(presets, ``deploy_env``) would have to walk several ``model_fields_set``. A field added outside a
-section is caught by tests/test_settings.py.
+the identity protocol and the like), and ``Settings`` inherits them all. The result is one flat
+object: ``settings.max_num_seqs``, ``BUNDLE_MAX_NUM_SEQS``, ``model_fields_set`` and
+``model_copy(update=...)`` name a field directly. Nested models (``settings.engine.max_num_seqs``)
+are not used: pydantic-settings would name their variables ``BUNDLE_ENGINE__MAX_NUM_SEQS`` unless
+each field carried an alias, and "was this set explicitly?" (presets, ``deploy_env``) would have to
+walk several ``model_fields_set``. A field added outside a section is caught by
+tests/test_settings.py.
 
 Units. Every duration's name ends in its unit, and the unit is seconds (``_s``, floats), except:
 
@@ -21,24 +21,33 @@ Units. Every duration's name ends in its unit, and the unit is seconds (``_s``, 
 - ``redis_write_window_ms`` and ``stream_coalesce_ms`` are milliseconds. Their variables
   (``BUNDLE_REDIS_WRITE_WINDOW_MS``, ``BUNDLE_STREAM_COALESCE_MS``) are in deploys and in the
   docs, and a value must keep meaning what its name says: in seconds, a deploy's
-  ``..._MS=10`` would become a 10 s window. A seconds twin under another name was not added
-  either: two variables for one knob, and a mistyped ``_S`` would be ignored silently
-  (unknown variables are). Their readers divide by 1000 where they use them.
+  ``..._MS=10`` would become a 10 s window. There is no seconds twin under another name either:
+  two variables for one knob, and a mistyped ``_S`` would be ignored silently (unknown
+  variables are). Their readers divide by 1000 where they use them.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, PositiveInt, SecretStr, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, PositiveInt, SecretStr
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.env_values import (
+    empty_is_none,
+    explicit_variables,
+    json_or_none,
+    parse_lora_modules,
+    preset_or_none,
+)
 
 TINY_MODEL = "tiny"  # the embedded random-weight Llama; see shared/models/tiny_model.py
 # The dtypes vLLM's engine takes (its `ModelDType`): a typo is refused when the settings load,
 # not minutes later when the engine starts.
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+# The named engine knobs (shared/engine/presets.py).
+Preset = Literal["throughput", "latency", "fast-boot"]
 
 
 def _default_cache_dir() -> Path:
@@ -70,7 +79,7 @@ class ServedModelSection(Section):
         "'llama3-70b' (two GPUs: BUNDLE_TENSOR_PARALLEL_SIZE=2) are config-only (dummy load).",
     )
     tiny_model_seed: int = Field(0, description="Seed of the built-in model's random weights.")
-    compile_cache: str | None = Field(
+    compile_cache: Annotated[str | None, BeforeValidator(empty_is_none)] = Field(
         None,
         description="A compile-cache pack to start from (`python -m shared.cache pack`): a .tar or "
         ".tar.gz file, an unpacked pack folder, or an http(s) URL. Unpacked only where its "
@@ -83,11 +92,6 @@ class ServedModelSection(Section):
         "<cache_dir>/compile-cache when a pack is given (and always under Cog), else each cache "
         "stays where its own defaults put it.",
     )
-
-    @field_validator("compile_cache", mode="before")
-    @classmethod
-    def _no_pack(cls, value: Any) -> Any:
-        return value or None  # BUNDLE_COMPILE_CACHE= (empty) means no pack
 
     @property
     def model_name(self) -> str:
@@ -102,7 +106,7 @@ class ServedModelSection(Section):
 class EngineSection(Section):
     """vLLM's engine arguments (AsyncEngineArgs); unset means vLLM's own default."""
 
-    preset: Literal["throughput", "latency", "fast-boot"] | None = Field(
+    preset: Annotated[Preset | None, BeforeValidator(preset_or_none)] = Field(
         None,
         description="Named engine knobs (shared/engine/presets.py); an engine field set explicitly wins.",
     )
@@ -139,7 +143,7 @@ class EngineSection(Section):
     block_size: int | None = Field(None, ge=1, description="KV cache block size, in tokens.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine is split over.")
     quantization: str | None = Field(None, description="vLLM's quantization method, e.g. 'fp8'.")
-    speculative_config: dict[str, Any] | None = Field(
+    speculative_config: Annotated[dict[str, Any] | None, BeforeValidator(json_or_none)] = Field(
         None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}.'
     )
     load_format: str = Field("auto", description="'dummy' fills random weights (benchmarks).")
@@ -148,26 +152,13 @@ class EngineSection(Section):
         ge=1,
         description="Largest step, in tokens, captured as a CUDA graph. Unset: vLLM's own default "
         "(twice max_num_seqs, at most 512). The sizes serve mixed prefill + decode steps too, "
-        "so a cap at max_num_seqs slows sustained load (see README, cold start). "
+        "so a cap at max_num_seqs slows sustained load (docs/cold-start.md, what each knob costs). "
         "Ignored with enforce_eager and with speculative decoding (vLLM sizes those itself).",
     )
     trust_remote_code: bool = Field(
         False, description="Let a Hugging Face model run the Python code in its repository."
     )
     engine_seed: int = Field(0, description="vLLM's global random seed.")
-
-    @field_validator("preset", mode="before")
-    @classmethod
-    def _no_preset(cls, value: Any) -> Any:
-        # BUNDLE_PRESET= or BUNDLE_PRESET=none: no preset, even where a deploy defaults to one.
-        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
-
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _parse_json(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip():
-            return json.loads(value)
-        return value or None
 
 
 class OutputsSection(Section):
@@ -228,8 +219,8 @@ class LoraSection(Section):
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters beside the base model; a request picks one by `model`."
     )
-    # NoDecode: the settings source would insist on JSON; the validator below takes both forms.
-    lora_modules: Annotated[dict[str, str], NoDecode] = Field(
+    # NoDecode: the settings source would insist on JSON; the parser takes both forms.
+    lora_modules: Annotated[dict[str, str], NoDecode, BeforeValidator(parse_lora_modules)] = Field(
         default_factory=dict,
         description="Adapters loaded at start, name -> source (a local directory, a Hugging Face id, "
         'or an http(s) URL of a .tar/.tar.gz): JSON (\'{"sql": "org/sql-lora"}\') or name=source,...',
@@ -254,22 +245,6 @@ class LoraSection(Section):
     lora_cache_dir: Path | None = Field(
         None, description="Where adapters from URLs are unpacked once. Unset: <cache_dir>/lora."
     )
-
-    @field_validator("lora_modules", mode="before")
-    @classmethod
-    def _parse_modules(cls, value: Any) -> Any:
-        """JSON object, or `name=source,name=source` (the form RunPod's LORA_MODULES users know)."""
-        if not isinstance(value, str):
-            return value or {}
-        text = value.strip()
-        if not text:
-            return {}
-        if text.startswith("{"):
-            return json.loads(text)
-        pairs = [part.partition("=") for part in text.split(",") if part.strip()]
-        if any(not sep or not name.strip() or not source.strip() for name, sep, source in pairs):
-            raise ValueError("BUNDLE_LORA_MODULES takes JSON or name=source pairs separated by commas")
-        return {name.strip(): source.strip() for name, _, source in pairs}
 
 
 class ServerSection(Section):
@@ -339,7 +314,7 @@ class IdentitySection(Section):
         ge=1024,
         description="Bytes of one stored response with its conversation; larger ones are not kept.",
     )
-    redis_url: SecretStr | None = Field(
+    redis_url: Annotated[SecretStr | None, BeforeValidator(empty_is_none)] = Field(
         None,
         description="redis:// or rediss:// URL of a Redis/Valkey server shared by all replicas: one "
         "generation per X-Request-Id and resume on any replica. Unset: identity is per process.",
@@ -361,11 +336,6 @@ class IdentitySection(Section):
         "Events reach clients only once the store holds them. Off: such streams end with "
         "producer_lost.",
     )
-
-    @field_validator("redis_url", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, value: Any) -> Any:
-        return value or None  # BUNDLE_REDIS_URL= (empty) means no shared store
 
 
 class StreamingSection(Section):
@@ -475,16 +445,4 @@ class Settings(
         exported, so defaults stay owned by the code the container runs. Secrets never are:
         they travel in a platform secret, not in an image layer or an app definition.
         """
-        env: dict[str, str] = {}
-        for name in sorted(self.model_fields_set):
-            value = getattr(self, name)
-            if value is None or isinstance(value, SecretStr):
-                continue
-            if isinstance(value, bool):
-                rendered = "true" if value else "false"
-            elif isinstance(value, dict):
-                rendered = json.dumps(value)
-            else:
-                rendered = str(value)
-            env[f"BUNDLE_{name.upper()}"] = rendered
-        return env
+        return explicit_variables(self)

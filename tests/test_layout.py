@@ -20,7 +20,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOUNDATION = {"shared.settings", "shared.errors", "shared.schemas", "shared.streaming", "shared.redis_client"}
+FOUNDATION = {
+    "shared.settings",
+    "shared.env_values",
+    "shared.errors",
+    "shared.schemas",
+    "shared.streaming",
+    "shared.redis_client",
+}
 ENTRY = {"shared.serve"}
 # Lower number: lower layer. A module may import its own layer and those below.
 # shared.procs (several API processes) runs the http layer's server in each of them.

@@ -2,7 +2,7 @@
 
 Every event has a sequence number (a reader's cursor); it goes on the wire as an `id:` line only
 for a stream that can be resumed and whose client reads SSE proper (its request has an
-X-Request-Id and asks for text/event-stream; `Service._existing_or_new` decides). Any other
+X-Request-Id and asks for text/event-stream; the service decides when it opens the generation). Any other
 stream is framed as plain `data:` events, as OpenAI's are.
 
 A generation's producer appends events; every client follows the buffer from an event id, so

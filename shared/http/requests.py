@@ -1,5 +1,5 @@
 """What every generation route does with a request, whichever API it speaks (OpenAI's chat and
-completions in api.py, the Responses API in responses.py): find the service, admit, read the
+completions in api.py, the Responses API in responses_api.py): find the service, admit, read the
 JSON body under its cap, and stream SSE."""
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Observability: Prometheus metrics, event-loop lag, the engine's output timings."""
+"""Observability: Prometheus metrics (summed across API processes), event-loop lag, the engine's
+output timings, garbage-collection pauses, and what a slow shutdown still waits for."""

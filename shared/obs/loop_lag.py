@@ -1,7 +1,8 @@
 """How late the API's event loop runs a timer: the time every request and every token waits for
-the loop when it is busy (parsing, encoding, other streams' events). A few milliseconds is a
-loop with room; tens of milliseconds at high concurrency means the API process, not the engine,
-sets time to first token (see README, Performance)."""
+the loop when it is busy (parsing, encoding, other streams' events).
+
+A few milliseconds is a loop with room; tens of milliseconds at high concurrency means the API
+process, not the engine, sets time to first token (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """/metrics for the whole server when several API processes serve it (BUNDLE_API_PROCESSES > 1).
 
-Each API process keeps its own registry, written as today, and publishes a snapshot of it to a
+Each API process keeps its own registry, written as with one process, and publishes a snapshot of it to a
 directory the processes share, once a second. A scrape on any process adds up its own live
 samples and the others' latest snapshots: counters, histograms and gauges sum (every gauge here
 counts something: streams, generations, requests the engine holds), `_created` keeps the

@@ -2,7 +2,7 @@
 
 One API process runs the engine's client side (vLLM's output processing and detokenizing) and
 every stream's SSE on one event loop, so on a fast GPU with a small model that one CPU core is
-the ceiling (issue 39). Here N processes each run the whole API on their own core, each with its
+the ceiling. Here N processes each run the whole API on their own core, each with its
 own `AsyncLLM` client of ONE engine core, as `vllm serve --api-server-count N` does
 (vllm_launch.py). This process, the supervisor, serves nothing itself:
 
