@@ -25,7 +25,8 @@ from shared.errors import (
 )
 from shared.generation.replay import ReplayBuffer
 from shared.obs.metrics import Metrics
-from shared.replicas.redis_log import RemoteSubscription, StreamWriter
+from shared.replicas.redis_log import StreamWriter
+from shared.replicas.remote_subscription import RemoteSubscription
 from shared.replicas.replicated import Replicas
 from shared.replicas.store import (
     PRODUCER_LOST_BOUND_S,
