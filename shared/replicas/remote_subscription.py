@@ -18,7 +18,8 @@ import orjson
 from shared.errors import BundleError, EventsGone, ProducerLost, StoredError
 from shared.generation.replay import EventsPerWrite, WriteNow
 from shared.obs.metrics import Metrics
-from shared.replicas.store import BODY, CHECK_EVERY_S, DATA, HEARTBEAT_TTL_S, RUNNING, Claim, IdentityStore
+from shared.replicas.liveness import HEARTBEAT_TTL_S
+from shared.replicas.store import BODY, DATA, RUNNING, Claim, IdentityStore
 from shared.streaming import DONE_DATA, Usage, error_frames, sse_data, sse_event
 
 # Asked when a followed generation's owner is gone: the claim in force after this replica tried
@@ -27,6 +28,9 @@ Rescue = Callable[[str], Awaitable[Claim | None]]
 # An error event inside a stream carries no HTTP status (the 200 was sent long before): a text
 # reader raises it as a server-side failure, its OpenAI type and code kept.
 GENERATION_ERROR_STATUS = 500
+# While events flow, a follower checks its owner every CHECK_EVERY_S (after an idle read, at once):
+# shared/replicas/store.py says how soon a dead owner is seen.
+CHECK_EVERY_S = 0.25
 
 
 class RemoteSubscription:

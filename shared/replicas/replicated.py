@@ -42,9 +42,10 @@ from shared.generation.replay import EventsPerWrite, ReplayBuffer, WriteNow
 from shared.generation.subscription import Subscription
 from shared.obs.metrics import Metrics
 from shared.replicas.identity import Continuer, OpenHere
+from shared.replicas.liveness import HEARTBEAT_EVERY_S
 from shared.replicas.redis_log import SharedLog, StreamWriter
 from shared.replicas.remote_subscription import RemoteSubscription
-from shared.replicas.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
+from shared.replicas.store import Claim, IdentityStore, StreamView
 from shared.replicas.takeover import Logged, Recipe, read_log
 from shared.settings import Settings
 from shared.streaming import DONE_DATA, Usage, error_frames
