@@ -20,7 +20,8 @@ from redis.asyncio import Redis
 
 from bench.redis_overhead import local_store
 from shared.redis_client import redis_client
-from shared.replicas.store import APPEND_SCRIPT, Claim, claim_key
+from shared.replicas.store import APPEND_SCRIPT, Claim
+from shared.replicas.store_keys import claim_key
 from shared.replicas.tokens import pack_ids
 
 EVENT = b'{"id":"cmpl-0123456789abcdef","object":"text_completion","choices":[{"index":0,"text":" word"}]}'

@@ -4,12 +4,12 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings,
-  env_values, errors, schemas, streaming, redis_client) < obs < models and cache (fetching and building model files,
-  the compile-cache pack) < engine (its contract and the vLLM adapter) < shaping (OpenAI output
-  shaping on the contract) < generation (one generation's output, replay buffer and registry) <
-  replicas (identity across replicas: store, log, liveness, takeover) < the assembly (service,
-  sampling, starter, lifecycle, server_state, and any other top-level module) < responses (the Responses API, built
-  on the service) < http < the entry point (serve);
+  env_values, errors, schemas, streaming, redis_client) < obs < models and cache (fetching and
+  building model files, the compile-cache pack) < engine (its contract and the vLLM adapter) <
+  shaping (OpenAI output shaping on the contract) < generation (one generation's output, replay
+  buffer and registry) < replicas (identity across replicas: store, log, liveness, takeover) <
+  the assembly (service, sampling, starter, lifecycle, server_state, and any other top-level
+  module) < responses (the Responses API, built on the service) < http < the entry point (serve);
 - nothing in shared/ imports cog/'s modules or modal_app;
 - bundle_client imports nothing from shared (it is shipped to users without the server).
 """

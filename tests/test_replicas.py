@@ -29,7 +29,8 @@ import redis
 
 from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
-from shared.replicas.store import PRODUCER_LOST_BOUND_S, Claim, claim_key, replica_key
+from shared.replicas.store import PRODUCER_LOST_BOUND_S, Claim
+from shared.replicas.store_keys import claim_key, replica_key
 from tests.conftest import free_port, long_chat, wait_until
 from tests.gate import Gate, Hold
 from tests.real_server import ServerProcess, kill_engine_core_mid_stream

@@ -25,15 +25,11 @@ from shared.errors import (
 )
 from shared.generation.replay import ReplayBuffer
 from shared.obs.metrics import Metrics
-from shared.replicas.redis_log import RemoteSubscription, StreamWriter
+from shared.replicas.redis_log import StreamWriter
+from shared.replicas.remote_subscription import RemoteSubscription
 from shared.replicas.replicated import Replicas
-from shared.replicas.store import (
-    PRODUCER_LOST_BOUND_S,
-    Claim,
-    IdentityStore,
-    follow_key,
-    replica_key,
-)
+from shared.replicas.store import PRODUCER_LOST_BOUND_S, Claim, IdentityStore
+from shared.replicas.store_keys import follow_key, replica_key
 from shared.schemas import ChatCompletionRequest, parse_request
 from shared.service import Service
 from shared.settings import Settings
@@ -405,7 +401,7 @@ async def test_without_takeover_a_request_for_an_id_whose_owner_died_is_refused(
     assert isinstance(replicas, Replicas)
     # Its beats go to another name from now on; once one has landed there, no beat of the old
     # name is still in flight, and the old one can be deleted for good.
-    replicas.store.replica_id = "owner-after-death"
+    replicas.store.heartbeat.replica_id = "owner-after-death"
     await until(lambda: store.client.exists(replica_key("owner-after-death")), 10, "a beat under the new name")
     await store.client.delete(replica_key(replicas.replica_id))
     with pytest.raises(ProducerLost):

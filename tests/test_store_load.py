@@ -31,8 +31,11 @@ from redis.exceptions import MaxConnectionsError
 from shared.errors import StoreUnavailable
 from shared.obs.metrics import Metrics
 from shared.redis_client import POOL_CONNECTIONS, AnswerClock, answer_bound, redis_client
-from shared.replicas import store as store_module
-from shared.replicas.store import HEARTBEAT_TTL_S, LEASE_ONLY, IdentityStore, replica_key
+from shared.replicas import liveness as liveness_module
+from shared.replicas import round_trips as round_trips_module
+from shared.replicas.liveness import HEARTBEAT_TTL_S, LEASE_ONLY
+from shared.replicas.store import IdentityStore
+from shared.replicas.store_keys import replica_key
 from tests.redis_server import RedisServer
 
 BURST = 300  # commands in flight at once: past redis-py's default pool of 100
@@ -95,7 +98,7 @@ async def test_a_store_that_answers_nothing_is_unavailable_after_the_bound(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGSTOP on the server: its sockets stay open and nothing answers, as with a hung store."""
-    monkeypatch.setattr(store_module, "ANSWER_BOUND_S", 0.5)
+    monkeypatch.setattr(round_trips_module, "ANSWER_BOUND_S", 0.5)
     metrics = Metrics()
     store = IdentityStore(redis_server.url, "asks-a-frozen-store", metrics)
     await store.client.ping()
@@ -145,7 +148,7 @@ async def test_a_killed_replica_is_dead_at_once_and_a_frozen_one_is_alive(redis_
         await _until_beating(store, "watched")
         assert (await store.liveness("watched")).alive
         os.kill(replica.pid, signal.SIGSTOP)  # frozen: its connections stand, its beats stop
-        await asyncio.sleep(3 * store_module.HEARTBEAT_EVERY_S)
+        await asyncio.sleep(3 * liveness_module.HEARTBEAT_EVERY_S)
         assert (await store.liveness("watched")).alive
         os.kill(replica.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -175,10 +178,10 @@ async def test_a_store_refusing_client_commands_falls_back_to_the_lease_and_says
 ) -> None:
     url = store_without_client_commands.url
     store = IdentityStore(url, "lease-only", Metrics())
-    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=liveness_module.__name__):
         store.start(on_cancel=lambda _: None)
         await _until_beating(store, "lease-only")
-    assert store.watch_connections is False
+    assert store.heartbeat.watch_connections is False
     assert await store.client.get(replica_key("lease-only")) == LEASE_ONLY
     (line,) = [r.getMessage() for r in caplog.records if "refuses CLIENT" in r.getMessage()]
     assert f"{HEARTBEAT_TTL_S:g} s heartbeat lease" in line

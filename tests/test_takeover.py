@@ -40,7 +40,8 @@ from bench.servers import wait_healthy
 from bundle_client.client import ResumableClient
 from shared.engine.contract import SamplingRequest
 from shared.obs.metrics import Metrics
-from shared.replicas.store import PRODUCER_LOST_BOUND_S, IdentityStore, replica_key
+from shared.replicas.store import PRODUCER_LOST_BOUND_S, IdentityStore
+from shared.replicas.store_keys import replica_key
 from shared.replicas.takeover import Recipe, plan, read_log
 from shared.service import Service
 from tests.conftest import LiveServers, free_port, wait_until

@@ -20,7 +20,8 @@ import pytest
 from shared.engine.contract import EngineDelta, SamplingRequest
 from shared.errors import EngineUnavailable
 from shared.replicas.replicated import Replicas
-from shared.replicas.store import Claim, replica_key
+from shared.replicas.store import Claim
+from shared.replicas.store_keys import replica_key
 from shared.schemas import ChatCompletionRequest, parse_request
 from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
@@ -61,7 +62,7 @@ async def lose_lease(service: Service) -> None:
     # Its beats go to another name; once one has landed there, no beat of the old name is still
     # in flight (a cancelled one could land after the delete), so the old one stays deleted.
     lapsed = f"{replicas.replica_id}-lapsed"
-    replicas.store.replica_id = lapsed
+    replicas.store.heartbeat.replica_id = lapsed
     async with asyncio.timeout(10):
         while not await replicas.store.client.exists(replica_key(lapsed)):
             await asyncio.sleep(0.01)

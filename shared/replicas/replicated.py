@@ -10,7 +10,7 @@ replica when the one running it is lost.
 A resume never claims: a fresh generation under the old event ids would splice two texts.
 
 Takeover (BUNDLE_TAKEOVER, on by default): when the owner of a running generation is gone (its
-store connection closed: it died; or its heartbeat lapsed: the lease, shared/replicas/store.py) or
+store connection closed: it died; or its heartbeat lapsed: the lease, shared/replicas/liveness.py) or
 handed it over at shutdown, the replica
 that a reader reaches swaps the claim to itself (TAKE_SCRIPT: of several that try, one wins) and
 continues the generation from its log on its own engine (continuation.py), under
@@ -42,9 +42,11 @@ from shared.generation.subscription import Subscription
 from shared.obs.metrics import Metrics
 from shared.replicas.continuation import Continuation
 from shared.replicas.identity import Placement
+from shared.replicas.liveness import HEARTBEAT_EVERY_S
 from shared.replicas.owned_reader import OwnedReader
-from shared.replicas.redis_log import RemoteSubscription, SharedLog, StreamWriter
-from shared.replicas.store import HEARTBEAT_EVERY_S, Claim, IdentityStore, StreamView
+from shared.replicas.redis_log import SharedLog, StreamWriter
+from shared.replicas.remote_subscription import RemoteSubscription
+from shared.replicas.store import Claim, IdentityStore, StreamView
 from shared.replicas.takeover import Logged, Recipe, read_log
 from shared.settings import Settings
 from shared.streaming import DONE_DATA

@@ -1,36 +1,10 @@
-"""The shared identity store: request claims, replica heartbeats, the cancel channel and the event
-streams of every replica, in one Redis (or Valkey) database.
+"""The shared identity store: request claims, the event log of every generation and the cancel
+channel, in one Redis (or Valkey) database, with the liveness of the replicas that write them.
 
-Keys, one deployment per database (a second deployment uses another: redis://host/1):
-  bundle:claim:{id}       JSON {fp, owner, stream, state, numbered, epoch}; SET NX makes the first
-                          replica the owner; a takeover (shared/replicas/takeover.py) swaps the owner
-                          and bumps the epoch; owner "" means handed off (anyone may take it over)
-  bundle:events:{id}      a Stream; entry id "<seq>-0", field d = one SSE event's data, x = a text
-                          piece of a non-streaming generation, b = a whole non-streaming answer or
-                          the 4xx of a refused request ({status, body}); t = the token ids whose
-                          text the entry carries (uint32 little-endian), k = how many ids logged
-                          before it a takeover kept (the rest were generated again)
-  bundle:recipe:{id}      JSON: what a takeover needs to continue the generation (prompt token ids,
-                          sampling parameters, the chunks' id and creation time)
-  bundle:follow:{id}      exists while a follower on some replica reads (refreshed, short expiry)
-  bundle:replica:{rid}    a replica's heartbeat (refreshed, short expiry)
-  bundle:cancel:{rid}     pub/sub channel: ids the replica `rid` must abort
-
-Every round trip goes through `_trip`, which times it, counts its commands for /metrics and turns
-a failure into `StoreUnavailable` (HTTP 503): a refused or broken connection at once, and no answer
-only past ANSWER_BOUND_S of silence from the store while this process's loop ran on time
-(shared/redis_client.py `answer_bound`): a queued or slow round trip is counted as slow, never
-failed. redis-py reconnects on the next command, so the bundle recovers without a restart when
-the server comes back.
-
-Liveness. A replica holds one connection of its own (the control connection) and writes that
-connection's CLIENT ID into its heartbeat key every HEARTBEAT_EVERY_S. Another replica counts it
-dead when the key is gone (the lease, HEARTBEAT_TTL_S: what no socket shows, a frozen or cut-off
-host) or when that connection is no longer in the store's CLIENT LIST (a process that dies, is
-killed or runs out of memory closes its sockets at once: seen within DEATH_SEEN_BOUND_S). A process
-that is alive but slow (a late event loop, a starved CPU, a pause under SIGSTOP) keeps its socket
-open, so it is never taken for dead before its lease lapses. Stores that refuse CLIENT ID or
-CLIENT LIST (some managed services) leave the lease alone: one line at start says so.
+`IdentityStore` is what the rest of the bundle asks. Its keys are named in
+shared/replicas/store_keys.py; every round trip is counted, timed and bounded as
+shared/replicas/round_trips.py says; a replica's heartbeat and the verdict on another's are in
+shared/replicas/liveness.py.
 """
 
 from __future__ import annotations
@@ -39,42 +13,40 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, RedisError
 
-from shared.errors import StoreUnavailable
 from shared.obs.metrics import Metrics
-from shared.redis_client import AnswerClock, answer_bound, redis_client
+from shared.redis_client import redis_client
+from shared.replicas.liveness import CONNECTION_FRESH_S, HEARTBEAT_TTL_S, Heartbeat, Liveness, LivenessJudge
+from shared.replicas.round_trips import RoundTrips, error_kind, ms
+from shared.replicas.store_keys import (
+    PREFIX,
+    cancel_channel,
+    claim_key,
+    events_key,
+    follow_key,
+    recipe_key,
+    replica_key,
+)
 
 log = logging.getLogger(__name__)
 
-PREFIX = "bundle:"
 RUNNING = "running"
-# Liveness (module docstring). The lease: a heartbeat every HEARTBEAT_EVERY_S lapses HEARTBEAT_TTL_S
-# after the last one; long, because it only stands in for what a socket cannot show (a frozen or
-# partitioned host), and a live replica whose loop ran seconds late must not lose it. A follower
-# blocks at most READ_BLOCK_MS per read and checks the owner after every idle read (while events
-# flow, every CHECK_EVERY_S); whether the owner's connection stands is asked at most every
-# CONNECTION_FRESH_S per process. So a dead owner's connection is found gone within
-# DEATH_SEEN_BOUND_S (the read in flight, then one more with a cached answer); a lapsed lease within
-# PRODUCER_LOST_BOUND_S.
-HEARTBEAT_EVERY_S = 1.0
-HEARTBEAT_TTL_S = 10.0
+# How soon a follower sees its owner gone (shared/replicas/liveness.py): it blocks at most
+# READ_BLOCK_MS per read and checks the owner after every idle read (while events flow, every
+# CHECK_EVERY_S of shared/replicas/remote_subscription.py); whether the owner's connection stands is
+# asked at most every CONNECTION_FRESH_S per process. So a dead owner's connection is found gone
+# within DEATH_SEEN_BOUND_S (the read in flight, then one more with a cached answer); a lapsed
+# lease within PRODUCER_LOST_BOUND_S.
 READ_BLOCK_MS = 200  # a follower's blocking read: it holds a connection of the read pool meanwhile
-CHECK_EVERY_S = 0.25
-CONNECTION_FRESH_S = 0.05
 DEATH_SEEN_BOUND_S = 2 * READ_BLOCK_MS / 1000 + CONNECTION_FRESH_S  # 0.45 s
 PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 10.4 s
 FOLLOW_TTL_S = 3.0  # a follower that stopped refreshing no longer holds the generation open
-# No answer from the store to this process for this long, while its loop ran on time: unreachable.
-ANSWER_BOUND_S = 5.0
 CLOSE_BOUND_S = 2.0  # for each of the last words at exit: the heartbeat's delete, each client's close
 # Connections for followers' blocking reads, apart from the pool every other command uses: a
 # read holds its connection for up to READ_BLOCK_MS, and must never make a claim wait behind it.
@@ -133,30 +105,6 @@ class ReadStep:
     @property
     def state(self) -> str | None:
         return None if self.claim is None else self.claim.state
-
-
-def claim_key(request_id: str) -> str:
-    return f"{PREFIX}claim:{request_id}"
-
-
-def events_key(request_id: str) -> str:
-    return f"{PREFIX}events:{request_id}"
-
-
-def follow_key(request_id: str) -> str:
-    return f"{PREFIX}follow:{request_id}"
-
-
-def recipe_key(request_id: str) -> str:
-    return f"{PREFIX}recipe:{request_id}"
-
-
-def replica_key(replica_id: str) -> str:
-    return f"{PREFIX}replica:{replica_id}"
-
-
-def cancel_channel(replica_id: str) -> str:
-    return f"{PREFIX}cancel:{replica_id}"
 
 
 # The owner's writes of one flush, as one script call, one group of arguments per generation.
@@ -247,21 +195,6 @@ redis.call('PEXPIRE', KEYS[3], ARGV[3])
 redis.call('PEXPIRE', KEYS[4], ARGV[3])
 return 1
 """
-# A heartbeat's value: "c:<CLIENT ID of the control connection>", or LEASE_ONLY where the store
-# refuses CLIENT ID / CLIENT LIST (then the key alone says the replica is alive).
-CONNECTION_BEAT = b"c:"
-LEASE_ONLY = b"lease"
-
-
-@dataclass(frozen=True)
-class Liveness:
-    """Whether a replica runs, as the store can tell: `cause` says why not ("connection": its
-    control connection is gone; "lease": its heartbeat lapsed; "handoff": it handed the claim
-    over), and `beat` is the heartbeat seen (what a takeover must still find)."""
-
-    alive: bool
-    cause: str | None = None
-    beat: bytes = b""
 
 
 @dataclass
@@ -284,48 +217,22 @@ class IdentityStore:
         self.reads = redis_client(url, connections=READ_CONNECTIONS)
         self.control = redis_client(url, connections=1)
         self.listener = redis_client(url, connections=2, waiting=False)  # the cancel channel's PubSub
-        self.clock = AnswerClock()
-        # None until the first beat found out whether the store answers CLIENT ID / CLIENT LIST.
-        self.watch_connections: bool | None = None
-        self._connected: dict[int, tuple[float, bool]] = {}  # CLIENT ID -> (when asked, listed)
-        self._asking: dict[int, asyncio.Future[bool]] = {}
+        trips = RoundTrips(metrics)
+        self._trip = trips.trip
+        self.heartbeat = Heartbeat(self.control, replica_id, trips)
+        self._judge = LivenessJudge(self.client, trips)
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = asyncio.Event()
         self._scripts = {
             script: hashlib.sha1(script.encode()).hexdigest() for script in (APPEND_SCRIPT, TAKE_SCRIPT)
         }
 
-    # --- accounting ---------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def _trip(self, op: str, commands: int = 1, blocks_s: float = 0.0) -> AsyncIterator[None]:
-        """One round trip: counted, timed, bounded (ANSWER_BOUND_S of silence, on top of a blocking
-        read's own `blocks_s`), and failed as StoreUnavailable naming what went wrong."""
-        self.metrics.store_round_trips.labels(op).inc()
-        self.metrics.store_commands.labels(op).inc(commands)
-        started = time.perf_counter()
-        try:
-            async with answer_bound(
-                ANSWER_BOUND_S + blocks_s, self.clock, self.metrics.store_slow.labels(op).inc
-            ):
-                yield
-        except (RedisError, OSError, TimeoutError) as exc:
-            kind = _error_kind(exc)
-            self.metrics.store_errors.labels(op, kind).inc()
-            raise StoreUnavailable(
-                f"the shared request-identity store (Redis) is unavailable ({type(exc).__name__}: "
-                f"{kind}); requests with X-Request-Id cannot be served now, requests without one can"
-            ) from exc
-        else:
-            self.clock.answered()
-        finally:
-            self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
-
     # --- claims -------------------------------------------------------------------------------
     async def claim(self, request_id: str, claim: Claim, ttl_s: float) -> Claim | None:
         """Make `claim` the id's claim unless one exists: None when this call won, else the
         existing claim (one atomic SET NX GET, so two replicas can never both win)."""
         async with self._trip("claim"):
-            old = await self.client.set(claim_key(request_id), claim.encode(), nx=True, get=True, px=_ms(ttl_s))
+            old = await self.client.set(claim_key(request_id), claim.encode(), nx=True, get=True, px=ms(ttl_s))
         return None if old is None else Claim.decode(old)
 
     async def get(self, request_id: str) -> Claim | None:
@@ -350,57 +257,16 @@ class IdentityStore:
             recipe_key(request_id),
         ]
         async with self._trip("take", 4):
-            taken = await self._run(TAKE_SCRIPT, keys, [held.raw, new.encode(), _ms(ttl_s), beat])
+            taken = await self._run(TAKE_SCRIPT, keys, [held.raw, new.encode(), ms(ttl_s), beat])
         return bool(taken)
 
-    # --- liveness -----------------------------------------------------------------------------
+    # --- liveness (shared/replicas/liveness.py) ---------------------------------------------------
     async def liveness(self, replica_id: str) -> Liveness:
-        """Whether `replica_id` runs (module docstring): its heartbeat, then its connection."""
-        if not replica_id:
-            return Liveness(False, "handoff")
-        async with self._trip("alive"):
-            beat = await self.client.get(replica_key(replica_id))
-        return await self._judge(beat)
+        """Whether `replica_id` runs: its heartbeat, then its connection."""
+        return await self._judge.liveness(replica_id)
 
     async def alive(self, replica_id: str) -> bool:
         return (await self.liveness(replica_id)).alive
-
-    async def _judge(self, beat: bytes | str | None) -> Liveness:
-        """A heartbeat's verdict: none is a lapsed lease; a connection's id must still be listed."""
-        if beat is None:
-            return Liveness(False, "lease")
-        if isinstance(beat, str):  # a client that decodes answers (never this module's)
-            beat = beat.encode()
-        if not beat.startswith(CONNECTION_BEAT):
-            return Liveness(True, beat=beat)  # LEASE_ONLY: the key alone says it
-        if await self._listed(int(beat[len(CONNECTION_BEAT) :])):
-            return Liveness(True, beat=beat)
-        return Liveness(False, "connection", beat)
-
-    async def _listed(self, client_id: int) -> bool:
-        """Whether the store still has connection `client_id` (CLIENT LIST ID), asked at most every
-        CONNECTION_FRESH_S by this process: concurrent askers share one question."""
-        known = self._connected.get(client_id)
-        if known is not None and time.monotonic() - known[0] <= CONNECTION_FRESH_S:
-            return known[1]
-        asking = self._asking.get(client_id)
-        if asking is not None:
-            return await asyncio.shield(asking)
-        asking = self._asking[client_id] = asyncio.get_running_loop().create_future()
-        try:
-            async with self._trip("connected"):
-                listed = bool(await self.client.client_list(client_id=[client_id]))
-        except BaseException as exc:
-            asking.set_exception(exc)
-            asking.exception()  # retrieved: waiters, if any, raise it themselves
-            raise
-        finally:
-            del self._asking[client_id]
-        if len(self._connected) > 4096:  # ids of connections long gone
-            self._connected.clear()
-        self._connected[client_id] = (time.monotonic(), listed)
-        asking.set_result(listed)
-        return listed
 
     async def log(self, request_id: str) -> tuple[list[tuple[int, dict[bytes, bytes]]], bytes | None]:
         """Every entry of a generation's stream, and its recipe (None: none was written)."""
@@ -435,7 +301,7 @@ class IdentityStore:
             pipe.xrevrange(key, "+", "-", count=1)
             pipe.get(replica_key(owner))
             first, last, beat = await pipe.execute()
-        alive = bool(owner) and (await self._judge(beat)).alive
+        alive = bool(owner) and (await self._judge.verdict(beat)).alive
         return StreamView(_first_sequence(first), _first_sequence(last), alive)
 
     async def read(self, request_id: str, after: int, owner: str | None) -> ReadStep:
@@ -450,7 +316,7 @@ class IdentityStore:
             self.reads.pipeline(transaction=False) as pipe,
         ):
             if owner is not None:
-                pipe.set(follow_key(request_id), b"1", px=_ms(FOLLOW_TTL_S))
+                pipe.set(follow_key(request_id), b"1", px=ms(FOLLOW_TTL_S))
                 pipe.get(replica_key(owner))
                 pipe.get(claim_key(request_id))
             pipe.xread({key: f"{after}-0"}, count=4096, block=READ_BLOCK_MS)
@@ -459,7 +325,7 @@ class IdentityStore:
         if owner is None:
             return ReadStep(entries, None, None)
         raw_claim = results[2]
-        alive = bool(owner) and (await self._judge(results[1])).alive
+        alive = bool(owner) and (await self._judge.verdict(results[1])).alive
         return ReadStep(entries, alive, None if raw_claim is None else Claim.decode(raw_claim))
 
     async def followers_left_s(self, request_id: str) -> float:
@@ -496,51 +362,7 @@ class IdentityStore:
     # --- background: heartbeat and cancel listener -----------------------------------------------
     def start(self, on_cancel: Callable[[str], None]) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._heartbeat()), loop.create_task(self._listen(on_cancel))]
-
-    async def _heartbeat(self) -> None:
-        while True:
-            try:
-                await self._beat()
-            except StoreUnavailable:
-                pass  # counted in /metrics; retried next beat
-            except Exception:  # a dead heartbeat task would declare this live replica dead
-                self.metrics.store_errors.labels("heartbeat", "unexpected").inc()
-                log.exception("heartbeat to the identity store failed unexpectedly; retrying")
-            await asyncio.sleep(HEARTBEAT_EVERY_S)
-
-    async def _beat(self) -> None:
-        """Write the lease, naming the control connection it stands on (its CLIENT ID)."""
-        if self.watch_connections is None:
-            self.watch_connections = await self._can_watch_connections()
-        beat = LEASE_ONLY
-        if self.watch_connections:
-            async with self._trip("heartbeat"):
-                beat = CONNECTION_BEAT + str(await self.control.client_id()).encode()
-        async with self._trip("heartbeat"):
-            await self.control.set(replica_key(self.replica_id), beat, px=_ms(HEARTBEAT_TTL_S))
-
-    async def _can_watch_connections(self) -> bool:
-        """Whether the store answers CLIENT ID and CLIENT LIST ID (said once, in one line)."""
-        try:
-            async with self._trip("heartbeat", 2):
-                own = await self.control.client_id()
-                listed = await self.control.client_list(client_id=[own])
-        except StoreUnavailable as unavailable:
-            if not isinstance(unavailable.__cause__, ResponseError):
-                raise  # the store is down: ask again at the next beat
-            listed = []
-        if listed:
-            log.info(
-                "replica liveness: by connection (CLIENT LIST), the %g s lease as fallback", HEARTBEAT_TTL_S
-            )
-            return True
-        log.warning(
-            "replica liveness: the store refuses CLIENT ID / CLIENT LIST, so a replica's death is "
-            "seen only when its %g s heartbeat lease lapses",
-            HEARTBEAT_TTL_S,
-        )
-        return False
+        self._tasks = [loop.create_task(self.heartbeat.run()), loop.create_task(self._listen(on_cancel))]
 
     async def _listen(self, on_cancel: Callable[[str], None]) -> None:
         """Relay cancels sent to this replica. It ends by itself once `aclose` says so (within one
@@ -557,7 +379,7 @@ class IdentityStore:
                         if message is not None and message.get("type") == "message":
                             on_cancel(message["data"].decode())
             except (RedisError, OSError) as exc:
-                self.metrics.store_errors.labels("listen", _error_kind(exc)).inc()
+                self.metrics.store_errors.labels("listen", error_kind(exc)).inc()
                 log.debug("cancel channel lost (%s); subscribing again", exc)
             except Exception:  # a dead listener would leave cancels sent from elsewhere unheard
                 self.metrics.store_errors.labels("listen", "unexpected").inc()
@@ -577,27 +399,13 @@ class IdentityStore:
             listener.cancel()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(CLOSE_BOUND_S):
-                await self.client.delete(replica_key(self.replica_id))  # followers learn at once
+                await self.client.delete(self.heartbeat.key)  # followers learn at once
         for client in (self.control, self.listener, self.reads, self.client):
             # Bounded: closing waits for each socket to close, and shutdown must not wait on a
             # store that stopped answering (the process's exit closes what is left).
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(CLOSE_BOUND_S):
                     await client.aclose()
-
-
-def _error_kind(exc: BaseException) -> str:
-    """What failed, for /metrics: `unreachable` (refused or broken connection), `no_answer`
-    (ANSWER_BOUND_S of silence), or `error` (the store answered with an error)."""
-    if isinstance(exc, TimeoutError | RedisTimeoutError):
-        return "no_answer"
-    if isinstance(exc, RedisConnectionError | OSError):
-        return "unreachable"
-    return "error"
-
-
-def _ms(seconds: float) -> int:
-    return max(int(seconds * 1000), 1)
 
 
 def _sequence(entry_id: bytes) -> int:
