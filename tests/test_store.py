@@ -19,6 +19,7 @@ from shared.errors import (
     EventsGone,
     IdempotencyConflict,
     InvalidRequest,
+    Overloaded,
     ProducerLost,
     StoredError,
     StoreUnavailable,
@@ -266,6 +267,27 @@ async def test_a_follower_whose_claim_is_gone_ends_with_a_clear_error(redis_serv
     remote = RemoteSubscription(owner, "claim-gone", Claim("fp", "owner-alive", True), 0, owner.metrics)
     raw = await asyncio.wait_for(drain(remote.events()), timeout=10)
     assert b'"code":"events_gone"' in raw and raw.endswith(b"data: [DONE]\n\n")
+    await owner.aclose()
+
+
+async def test_a_follower_of_a_claim_released_after_a_refusal_gets_the_owners_answer(
+    redis_server: RedisServer,
+) -> None:
+    """A duplicate that came to follow an id whose owner then refused it after the claim (429 at
+    the in-flight cap) answers the owner's 429, Retry-After included, not 410 events_gone."""
+    owner = await live_store(redis_server, "owner-refusing")
+    claim = Claim("fp", "owner-refusing", True)
+    assert await owner.claim("refused-429", claim, 60) is None
+    remote = RemoteSubscription(owner, "refused-429", claim, 0, owner.metrics)
+    admitted = asyncio.ensure_future(remote.admitted())
+    await until(lambda: answered_trips(owner.metrics, "read") >= 1, 10, "the follower's first read")
+    assert not admitted.done()  # the claim stands and its owner lives: it waits
+    await owner.release("refused-429", Overloaded("too many requests in flight", retry_after_s=3))
+    with pytest.raises(Overloaded) as refused:
+        await asyncio.wait_for(admitted, timeout=10)
+    assert refused.value.retry_after_s == 3 and refused.value.message == "too many requests in flight"
+    await owner.release("released-plain")  # no refusal kept: a claim gone is events_gone, as before
+    assert await owner.refusal("released-plain") is None
     await owner.aclose()
 
 

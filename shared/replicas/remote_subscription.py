@@ -140,10 +140,14 @@ class RemoteSubscription:
                 self._owner = await self._successor()
                 continue
             if check and step.state is None:
-                # The claim is gone: it expired (past the longest generation plus the retention:
-                # its end was never stored) or was released (refused after the claim). No more
-                # events can come for it.
-                raise EventsGone(f"events after {after} of this request are no longer held")
+                raise await self._claim_gone(after)
+
+    async def _claim_gone(self, after: int) -> BundleError:
+        """Why no more events can come: the claim was released after a refusal (the owner's
+        answer, which this reader gives too), or it expired (past the longest generation plus
+        the retention: its end was never stored)."""
+        refused = await self._store.refusal(self._request_id)
+        return refused or EventsGone(f"events after {after} of this request are no longer held")
 
     async def _successor(self) -> str:
         """The owner to follow now that the last one is gone: whoever holds the claim after a

@@ -173,9 +173,9 @@ class Replicas:
         self._claims[request_id] = mine
         try:
             yield
-        except BaseException:
+        except BaseException as refused:
             with contextlib.suppress(BundleError):
-                await self.store.release(request_id)
+                await self.store.release(request_id, refused if isinstance(refused, BundleError) else None)
             raise
         finally:
             self._claims.pop(request_id, None)

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from redis.exceptions import NoScriptError, RedisError
 
+from shared.errors import BundleError, Overloaded, StoredError
 from shared.obs.metrics import Metrics
 from shared.redis_client import redis_client
 from shared.replicas.liveness import CONNECTION_FRESH_S, HEARTBEAT_TTL_S, Heartbeat, Liveness, LivenessJudge
@@ -31,6 +32,7 @@ from shared.replicas.store_keys import (
     events_key,
     follow_key,
     recipe_key,
+    refused_key,
     replica_key,
 )
 
@@ -46,6 +48,8 @@ RUNNING = "running"
 READ_BLOCK_MS = 200  # a follower's blocking read: it holds a connection of the read pool meanwhile
 DEATH_SEEN_BOUND_S = 2 * READ_BLOCK_MS / 1000 + CONNECTION_FRESH_S  # 0.45 s
 PRODUCER_LOST_BOUND_S = HEARTBEAT_TTL_S + 2 * READ_BLOCK_MS / 1000  # 10.4 s
+# Long enough for every follower that was reading when a claim was released to read it.
+REFUSAL_TTL_S = 10
 FOLLOW_TTL_S = 3.0  # a follower that stopped refreshing no longer holds the generation open
 CLOSE_BOUND_S = 2.0  # for each of the last words at exit: the heartbeat's delete, each client's close
 # Connections for followers' blocking reads, apart from the pool every other command uses: a
@@ -288,10 +292,21 @@ class IdentityStore:
         alive = {owner: (await self.liveness(owner)).alive for owner in owners}
         return [rid for rid, claim in running.items() if not alive[claim.owner]]
 
-    async def release(self, request_id: str) -> None:
-        """Give up a claim whose generation never started (it was refused after the claim)."""
-        async with self._trip("release"):
-            await self.client.delete(claim_key(request_id))
+    async def release(self, request_id: str, refusal: BundleError | None = None) -> None:
+        """Give up a claim whose generation never started (it was refused after the claim). The
+        refusal stays readable for REFUSAL_TTL_S: a duplicate that came to follow the claim
+        meanwhile answers what the owner answered (a 429 is a 429, not "events gone")."""
+        async with self._trip("release"), self.client.pipeline(transaction=True) as pipe:
+            if refusal is not None:
+                pipe.set(refused_key(request_id), _refusal_record(refusal), ex=REFUSAL_TTL_S)
+            pipe.delete(claim_key(request_id))
+            await pipe.execute()
+
+    async def refusal(self, request_id: str) -> BundleError | None:
+        """The answer of a request refused after its claim, while it is kept (`release`)."""
+        async with self._trip("refusal"):
+            raw = await self.client.get(refused_key(request_id))
+        return None if raw is None else _refusal_from(raw)
 
     # --- followers ----------------------------------------------------------------------------
     async def view(self, request_id: str, owner: str) -> StreamView:
@@ -414,3 +429,19 @@ def _sequence(entry_id: bytes) -> int:
 
 def _first_sequence(entries: list[tuple[bytes, Any]]) -> int | None:
     return _sequence(entries[0][0]) if entries else None
+
+
+def _refusal_record(refusal: BundleError) -> bytes:
+    retry_after_s = refusal.retry_after_s if isinstance(refusal, Overloaded) else None
+    return orjson.dumps(
+        {"status": refusal.status_code, "body": refusal.to_openai(), "retry_after_s": retry_after_s}
+    )
+
+
+def _refusal_from(raw: bytes) -> BundleError:
+    """The refusal as the owner raised it: a 429 keeps its Retry-After."""
+    record = orjson.loads(raw)
+    if record["retry_after_s"] is not None:
+        message = str((record["body"].get("error") or {}).get("message", "overloaded"))
+        return Overloaded(message, retry_after_s=int(record["retry_after_s"]))
+    return StoredError(int(record["status"]), record["body"])

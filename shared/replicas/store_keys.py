@@ -11,6 +11,8 @@ database: a second deployment uses another (redis://host/1).
                           before it a takeover kept (the rest were generated again)
   bundle:recipe:{id}      JSON: what a takeover needs to continue the generation (prompt token ids,
                           sampling parameters, the chunks' id and creation time)
+  bundle:refused:{id}     JSON {status, body, retry_after_s}: the answer of a request refused after
+                          its claim (429 at the in-flight cap), for followers that came meanwhile
   bundle:follow:{id}      exists while a follower on some replica reads (refreshed, short expiry)
   bundle:replica:{rid}    a replica's heartbeat (refreshed, short expiry: shared/replicas/liveness.py)
   bundle:cancel:{rid}     pub/sub channel: ids the replica `rid` must abort
@@ -27,6 +29,10 @@ def claim_key(request_id: str) -> str:
 
 def events_key(request_id: str) -> str:
     return f"{PREFIX}events:{request_id}"
+
+
+def refused_key(request_id: str) -> str:
+    return f"{PREFIX}refused:{request_id}"
 
 
 def follow_key(request_id: str) -> str:
