@@ -58,6 +58,7 @@ class Stream:
     logged_by_a: int = 0  # the last event A had written to the store when it was killed
     first_continued_at: float | None = None  # monotonic time of the first event B generated
     a_ended_at: float | None = None  # when its stream from A ended (A's socket closed by the kill)
+    resumed_at: float | None = None  # when its resume was sent to B
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,13 +112,20 @@ async def _run(
                     break
                 await asyncio.sleep(0.01)
             at_kill = [len(stream.ids) for stream in streams]
+            a_connection = await _a_connection(args.redis, args.seed)
             os.killpg(a_pid, signal.SIGKILL)  # the engine with it: a container that disappears
             killed_at = time.monotonic()
+            connection_gone = asyncio.ensure_future(_gone_at(args.redis, a_connection))
             # Before any client asks B (only a client's request makes B look at the owner).
             await _logged_by_a(args.redis, streams, args.seed)
             killed.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return _report(args, streams, at_kill, killed_at)
+            gone_at = await connection_gone
+    report = _report(args, streams, at_kill, killed_at)
+    # What the store saw: A's control connection left CLIENT LIST this long after the kill (the
+    # earliest any replica can know A is dead), None where the store refuses CLIENT.
+    report["kill_to_a_connection_gone_s"] = None if gone_at is None else gone_at - killed_at
+    return report
 
 
 async def _stream(
@@ -145,6 +153,7 @@ async def _stream(
         return  # finished before the kill (a kill-after too late for this length)
     await killed.wait()
     headers["Last-Event-ID"] = str(stream.ids[-1] if stream.ids else 0)
+    stream.resumed_at = time.monotonic()
     try:
         await _read(client, f"{urls[1]}/v1/completions", body, headers, stream, after_kill=True)
     except httpx.HTTPError as exc:
@@ -187,6 +196,41 @@ async def _logged_by_a(redis_url: str, streams: list[Stream], seed: int) -> None
         await client.aclose()
 
 
+async def _a_connection(redis_url: str, seed: int) -> int | None:
+    """The CLIENT ID of A's control connection: its heartbeat names it (`c:<id>`); A owns the
+    first stream's claim."""
+    from shared.redis_client import redis_client
+    from shared.replicas.store import Claim
+    from shared.replicas.store_keys import claim_key, replica_key
+
+    client = redis_client(redis_url)
+    try:
+        raw = await client.get(claim_key(_request_id(seed, 0)))
+        beat = await client.get(replica_key(Claim.decode(raw).owner)) if raw is not None else None
+    finally:
+        await client.aclose()
+    text = beat.decode() if isinstance(beat, bytes) else beat
+    return int(text[2:]) if text is not None and text.startswith("c:") else None
+
+
+async def _gone_at(redis_url: str, client_id: int | None) -> float | None:
+    """When `client_id` left the store's CLIENT LIST (polled every 5 ms, for at most 30 s)."""
+    from shared.redis_client import redis_client
+
+    if client_id is None:
+        return None
+    client = redis_client(redis_url)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not await client.execute_command("CLIENT", "LIST", "ID", client_id):
+                return time.monotonic()
+            await asyncio.sleep(0.005)
+        return None
+    finally:
+        await client.aclose()
+
+
 def _request_id(seed: int, index: int) -> str:
     return f"takeover-{seed}-{index}"
 
@@ -216,6 +260,7 @@ def _report(
     # neither its clients nor the store can tell it is gone.
     ended = [s.a_ended_at for s in streams if s.a_ended_at is not None]
     a_closed = [at - killed_at for at in ended if at >= killed_at]
+    resumed = [s.resumed_at - killed_at for s in streams if s.resumed_at is not None]
     return {
         "schema": "bundle-takeover/1",
         "streams": {
@@ -239,6 +284,9 @@ def _report(
         # to its end: what a reader feels of the takeover (the resume's round trip included).
         "longest_stall_after_kill_s": {**percentiles(stalls), "max": max(stalls, default=0.0)},
         "kill_to_a_stream_closed_s": {**percentiles(a_closed), "max": max(a_closed, default=0.0)},
+        # Sent to B: A's stream closed and the benchmark read what A had logged (B's own part of
+        # the takeover is the rest, in B's bundle_takeover_seconds).
+        "kill_to_resume_sent_s": {**percentiles(resumed), "max": max(resumed, default=0.0)},
         "per_stream": [
             {
                 "events": len(s.ids),
@@ -246,6 +294,8 @@ def _report(
                 "error": s.error,
                 "events_read_at_kill": at_kill[s.index],
                 "events_logged_by_a": s.logged_by_a,
+                "a_closed_after_kill_s": None if s.a_ended_at is None else s.a_ended_at - killed_at,
+                "resumed_after_kill_s": None if s.resumed_at is None else s.resumed_at - killed_at,
             }
             for s in streams
         ],
