@@ -123,7 +123,7 @@ def serve(port: int, step_s: float) -> int:
 def _opened_stepped(step_s: float) -> Callable[[Any], AbstractAsyncContextManager[SteppedEngine]]:
     """An engine factory for the app's lifespan that, as the vLLM engine's start does, freezes the
     heap start-up leaves: garbage collections then walk only what serving keeps alive."""
-    from shared.engine.vllm import freeze_startup_heap
+    from shared.engine.vllm_startup import freeze_startup_heap
 
     @asynccontextmanager
     async def opened(settings: Any) -> AsyncIterator[SteppedEngine]:

@@ -28,7 +28,7 @@ from shared.cache.layout import point_caches_at
 from shared.cache.start import fetch_pack
 from shared.engine.contract import Engine
 from shared.engine.model_inspection import begin_inspection
-from shared.engine.vllm import import_engine_modules, open_engine, resolve_model_path
+from shared.engine.vllm_startup import import_engine_modules, open_engine, resolve_model_path
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.models.weights import bundled_pack, resolve_weights

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from shared.engine.contract import Engine, SamplingRequest
 from shared.engine.presets import apply_preset
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 

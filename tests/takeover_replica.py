@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from shared.engine.contract import Engine, EngineDelta, SamplingRequest
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.settings import Settings
 
 GATE_VARIABLE = "TAKEOVER_GATE"
@@ -93,7 +93,7 @@ class GatedEngine:
 
 
 def main() -> None:
-    from shared.engine.vllm import import_vllm, resolve_model_path
+    from shared.engine.vllm_startup import import_vllm, resolve_model_path
     from shared.http.api import create_app
     from shared.http.process import run_server
     from shared.server_state import ExitRequest

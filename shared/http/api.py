@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shared.assembly import EngineFactory, start_service
 from shared.engine.contract import Engine
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.errors import (
     BundleError,
     Cancelled,
