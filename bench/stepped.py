@@ -31,15 +31,16 @@ import orjson
 from bench.levels import Meters
 from bench.servers import free_port, process_cpu_s, running_server
 from bench.workload import Workload
-from shared.engine.contract import EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
 from shared.engine.lora import Adapter
 from shared.errors import InvalidRequest
 
 BASELINE = "baseline"
 
 
-class SteppedEngine:
-    """`shared.engine.contract.Engine` that gives every running generation one token per step."""
+class SteppedEngine(Engine):
+    """`shared.engine.contract.Engine` that gives every running generation one token per step
+    (its optional members keep the protocol's defaults)."""
 
     def __init__(self, step_s: float, vocab_size: int = 1000) -> None:
         self.info = EngineInfo(model_name="stepped", max_model_len=4096, vocab_size=vocab_size)
