@@ -10,6 +10,9 @@
   request that got in before that gets 503 (retry with the same id: nothing ran).
   When the whole process group is signalled, vLLM's engine core stops at the same moment; the
   engine's failure then is part of the shutdown, and clients are told so, not that it "died".
+
+The service reaches the engine through `GuardedEngine`, which applies both to generations and
+to the engine's count of running requests.
 """
 
 from __future__ import annotations

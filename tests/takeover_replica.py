@@ -14,8 +14,8 @@ Tokens, not outputs: when its reader falls behind (a loaded machine), vLLM merge
 outputs into one, so the number of outputs depends on the machine's speed; a held generation has
 always sent at most k tokens, and never its end.
 
-The gate is this test's own minimal one (tests/gate.py, being built for the whole suite, was not
-there yet when this was written).
+Its gate is its own: one file for every generation, counted in tokens (tests/gate.py holds only
+the generations whose prompt names a rule, counted in outputs).
 """
 
 from __future__ import annotations
