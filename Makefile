@@ -80,7 +80,7 @@ bench-prefix: $(STAMP)
 VLLM_BENCH_PROMPTS ?= 200
 VLLM_BENCH_OUT ?= results/cpu/vllm-bench-serve
 vllm-bench: $(STAMP)
-	tokenizer=$$($(PY) -c "from shared.engine.vllm import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
+	tokenizer=$$($(PY) -c "from shared.engine.vllm_startup import resolve_model_path; from shared.settings import Settings; print(resolve_model_path(Settings()))") && \
 	for pair in openai-chat:/v1/chat/completions openai:/v1/completions; do \
 	  $(PY) bench/vllm_client.py --backend $${pair%%:*} --endpoint $${pair#*:} \
 	    --base-url http://$(HOST):$(PORT) --model tiny --tokenizer $$tokenizer \

@@ -44,7 +44,7 @@ from bench.loadgen import run_level
 from bench.requesters import load_client
 from bench.servers import bundle_command, free_port, running_server
 from bench.workload import Workload
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

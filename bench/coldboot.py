@@ -57,7 +57,7 @@ from bench.startup import PHASES, LogCapture, machine, milestones, phases, spawn
 from cost_model.coldboot import is_boot_of
 from shared.cache.layout import ROOT_NAME, cache_env
 from shared.cache.manifest import MANIFEST_NAME
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.models.weights import PACK_FOLDER
 from shared.settings import Settings
 

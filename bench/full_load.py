@@ -81,7 +81,7 @@ def _kept_promises(part: dict[str, Any]) -> bool:
 
 # --- procs: vLLM's client against N API processes; the ceiling: vLLM's offline throughput -------------
 def _model() -> str:
-    from shared.engine.vllm import resolve_model_path
+    from shared.engine.vllm_startup import resolve_model_path
     from shared.settings import Settings
 
     return str(resolve_model_path(Settings()))
@@ -148,7 +148,7 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _offline_throughput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """vLLM's `bench throughput` on the served shape (the engine alone, no serving layer), on as
     many prompts as one run of the first level sends."""
-    from shared.engine.vllm import engine_args
+    from shared.engine.vllm_startup import engine_args
     from shared.settings import Settings
 
     model = _model()

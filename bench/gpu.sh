@@ -394,10 +394,10 @@ case "$stage" in
     [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     mkdir -p "${OUT:-/tmp/out}/imports"
     for what in "import torch" "import transformers" "import vllm" "import vllm.v1.engine.async_llm" \
-                "import shared.serve, shared.http.api; from shared.engine.vllm import import_vllm; import_vllm()"; do
+                "import shared.serve, shared.http.api; from shared.engine.vllm_startup import import_vllm; import_vllm()"; do
       python3 -c "import sys, time; t = time.perf_counter(); exec(sys.argv[1]); print(f'{time.perf_counter() - t:6.2f} s  {sys.argv[1]}')" "$what"
     done | tee "${OUT:-/tmp/out}/imports/alone.txt"
-    python3 -X importtime -c "import shared.serve, shared.http.api; from shared.engine.vllm import import_vllm; import_vllm()" \
+    python3 -X importtime -c "import shared.serve, shared.http.api; from shared.engine.vllm_startup import import_vllm; import_vllm()" \
       2> "${OUT:-/tmp/out}/imports/importtime.txt"
     python3 bench/importtime_summary.py "${OUT:-/tmp/out}/imports/importtime.txt" | tee "${OUT:-/tmp/out}/imports/summary.txt"
     exit 0 ;;
@@ -437,7 +437,7 @@ case "$stage" in
     [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     out=bench/gpu-results/startup work=/tmp/startup-work
     # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
-    python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
+    python3 -c "from shared.settings import Settings; from shared.engine.vllm_startup import resolve_model_path as r; r(Settings())"
     case "$stage" in
       startup)
         python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out
@@ -470,7 +470,7 @@ case "$stage" in
     [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     [ -f /tmp/cog-site/.bytecode ] || { python3 -m compileall -q -j 0 /tmp/cog-site "$PWD/cog" > /dev/null || true; touch /tmp/cog-site/.bytecode; }
     # The built-in model's config and tokenizer are a test fixture, not part of a real cold start.
-    python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
+    python3 -c "from shared.settings import Settings; from shared.engine.vllm_startup import resolve_model_path as r; r(Settings())"
     merge=()
     if [ "$stage" != coldboot-cog ]; then merge=(--merge); fi
     status=0
@@ -540,7 +540,7 @@ case "$stage" in
     # engine do not fit one): an empty compile cache once, then the cache it filled, 3 times
     [ -f $site/.bytecode ] || { python3 -m compileall -q -j 0 $site "$PWD/shared" "$PWD/bench" > /dev/null || true; touch $site/.bytecode; }
     out=bench/gpu-results/tp2/startup work=/tmp/tp2-startup-work
-    python3 -c "from shared.settings import Settings; from shared.engine.vllm import resolve_model_path as r; r(Settings())"
+    python3 -c "from shared.settings import Settings; from shared.engine.vllm_startup import resolve_model_path as r; r(Settings())"
     status=0
     if [ "$stage" = tp2-startup ]; then
       timeout -s INT -k 30 "$(tp2_left)" python3 -m bench.startup --paths empty-cache --runs 1 --work $work --out $out || status=$?

@@ -33,7 +33,7 @@ from bench.requesters import http_requester, load_client, open_connections
 from bench.servers import bundle_command, free_port, running_server
 from bench.targets import WARM_UP_REQUESTS, scheduled
 from bench.workload import Workload
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.models.random_adapter import model_config, write_adapter
 from shared.settings import Settings
 

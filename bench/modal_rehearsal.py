@@ -202,7 +202,7 @@ def http_client_work(
 def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     import uvicorn  # noqa: F401  imported before the clock starts: a container has no uvicorn to start
 
-    from shared.engine.vllm import sleep_mode_available
+    from shared.engine.vllm_startup import sleep_mode_available
 
     snapshots = args.snapshots == "on"
     module = load_app(snapshots)

@@ -45,7 +45,7 @@ CHUNK = 64 * 1024
 def child(mode: str, url: str, cache: Path) -> dict[str, Any]:
     started = time.monotonic()
     from shared.assembly import prepare_start, with_weights
-    from shared.engine.vllm import import_engine_modules
+    from shared.engine.vllm_startup import import_engine_modules
     from shared.settings import Settings
 
     settings = Settings(cache_dir=cache)
@@ -63,7 +63,7 @@ def child(mode: str, url: str, cache: Path) -> dict[str, Any]:
 # --- the server ---------------------------------------------------------------------------------------
 def weights_tar(mib: int) -> bytes:
     """The tiny model's folder plus a file of random bytes, `mib` MiB in all (about)."""
-    from shared.engine.vllm import resolve_model_path
+    from shared.engine.vllm_startup import resolve_model_path
     from shared.settings import Settings
 
     model = Path(resolve_model_path(Settings()))

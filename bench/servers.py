@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 
-from shared.engine.vllm import engine_args
+from shared.engine.vllm_startup import engine_args
 from shared.settings import Settings
 
 
@@ -91,7 +91,7 @@ def vllm_server_command(settings: Settings, port: int, api_servers: int | None =
         str(args.gpu_memory_utilization),
         "--max-num-seqs",
         str(args.max_num_seqs),
-        "--disable-log-stats",  # as the bundle's engine (shared/engine/vllm.py)
+        "--disable-log-stats",  # as the bundle's engine (shared/engine/vllm_startup.py)
     ]
     if args.enforce_eager:
         command.append("--enforce-eager")

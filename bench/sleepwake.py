@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from shared.engine.contract import Engine, SamplingRequest
-from shared.engine.vllm import VLLMEngine, sleep_mode_available
+from shared.engine.vllm import VLLMEngine
+from shared.engine.vllm_startup import sleep_mode_available
 from shared.lifecycle import EngineLifecycle, PromptMaker, warm_up
 from shared.settings import Settings
 

@@ -1,6 +1,6 @@
 """Target names on the command line: `kind[:preset][@processes]`, and how each kind is configured.
 
-raw, bundle, vllm_server          the same engine flags for all three (shared/engine/vllm.py)
+raw, bundle, vllm_server          the same engine flags for all three (shared/engine/vllm_startup.py)
 bundle:throughput, raw:latency    the same, with a deploy preset (shared/engine/presets.py)
 vllm_server:defaults              `vllm serve` with vLLM's own defaults, the bar to beat
 bundle@4, vllm_server@4           4 API processes on one engine core: BUNDLE_API_PROCESSES=4, and

@@ -233,7 +233,7 @@ def run_server_paths(paths: list[str], runs: int, model: str, work: Path, timeou
 def run_wake_path(runs: int, settings: Settings, caches: Path) -> dict[str, Any]:
     """Sleep/wake cycles of one engine, through the lifecycle functions Modal's hooks call.
     The engine runs in this process, on the warm compile cache (as a snapshot would hold it)."""
-    from shared.engine.vllm import sleep_mode_available
+    from shared.engine.vllm_startup import sleep_mode_available
 
     if not sleep_mode_available():
         return {"runs": [], "unsupported": "this vLLM build has no sleep mode (CUDA only)"}

@@ -31,15 +31,16 @@ import orjson
 from bench.levels import Meters
 from bench.servers import free_port, process_cpu_s, running_server
 from bench.workload import Workload
-from shared.engine.contract import EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
+from shared.engine.contract import Engine, EngineDelta, EngineInfo, OutputConstraint, SamplingRequest
 from shared.engine.lora import Adapter
 from shared.errors import InvalidRequest
 
 BASELINE = "baseline"
 
 
-class SteppedEngine:
-    """`shared.engine.contract.Engine` that gives every running generation one token per step."""
+class SteppedEngine(Engine):
+    """`shared.engine.contract.Engine` that gives every running generation one token per step
+    (its optional members keep the protocol's defaults)."""
 
     def __init__(self, step_s: float, vocab_size: int = 1000) -> None:
         self.info = EngineInfo(model_name="stepped", max_model_len=4096, vocab_size=vocab_size)
@@ -123,7 +124,7 @@ def serve(port: int, step_s: float) -> int:
 def _opened_stepped(step_s: float) -> Callable[[Any], AbstractAsyncContextManager[SteppedEngine]]:
     """An engine factory for the app's lifespan that, as the vLLM engine's start does, freezes the
     heap start-up leaves: garbage collections then walk only what serving keeps alive."""
-    from shared.engine.vllm import freeze_startup_heap
+    from shared.engine.vllm_startup import freeze_startup_heap
 
     @asynccontextmanager
     async def opened(settings: Any) -> AsyncIterator[SteppedEngine]:

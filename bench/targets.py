@@ -14,7 +14,7 @@ from bench.loadgen import Requester, run_level
 from bench.requesters import engine_requester, http_requester, load_client, open_connections
 from bench.servers import server_cpu_by_role
 from bench.workload import Workload
-from shared.engine.vllm import batch_token_budget, import_engine_modules, start_llm, stop_llm
+from shared.engine.vllm_startup import batch_token_budget, import_engine_modules, start_llm, stop_llm
 from shared.obs.engine_outputs import time_engine_outputs
 from shared.settings import Settings
 
@@ -33,7 +33,7 @@ def scheduled(one: Requester, workload: Workload) -> LevelRunner:
 
 def import_engine() -> None:
     """Import vLLM's engine before any frame that will hold one exists (see
-    `shared.engine.vllm.import_engine_modules`: otherwise `make bench` ended with an `AsyncLLM.__del__`
+    `shared.engine.vllm_startup.import_engine_modules`: otherwise `make bench` ended with an `AsyncLLM.__del__`
     traceback)."""
     import_engine_modules()
 

@@ -20,7 +20,7 @@ How streaming AND concurrency work on cog/coglet 0.23.1 (the pinned version):
 dtype: on this bundle's CPU test machine an engine in bf16 started under coglet dies with SIGILL
 at its first forward pass (the CPU has AMX, which Linux grants per process on request; inside
 coglet's process tree that request evidently fails), while float32 works. The core's tiny model
-is float32 (`shared.engine.vllm._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
+is float32 (`shared.engine.vllm_startup._dtype`); real models on GPUs keep BUNDLE_DTYPE (default "auto").
 
 Forked children (vLLM's engine core on GPUs): see cog/child_output.py.
 

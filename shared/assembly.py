@@ -21,14 +21,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from shared.cache.layout import point_caches_at
 from shared.cache.start import fetch_pack
-from shared.engine.contract import Engine
+from shared.engine.contract import Engine, EngineFactory
 from shared.engine.model_inspection import begin_inspection
-from shared.engine.vllm import import_engine_modules, open_engine, resolve_model_path
+from shared.engine.vllm_startup import import_engine_modules, open_engine, resolve_model_path
 from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.models.weights import bundled_pack, resolve_weights
@@ -39,9 +39,6 @@ from shared.service import Service
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
-
-EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]
-
 
 @asynccontextmanager
 async def start_service(

@@ -1,6 +1,6 @@
 """Python's garbage-collector thresholds while a service runs (BUNDLE_GC_THRESHOLDS).
 
-After start-up the engine freezes the heap it leaves (shared/engine/vllm.py), so the oldest
+After start-up the engine freezes the heap it leaves (shared/engine/vllm_startup.py), so the oldest
 generation holds only what serving keeps alive: every running stream's objects, promoted there
 while their requests last seconds. With Python's own thresholds (700, 10, 10) a full collection
 walks all of them and stops the event loop meanwhile (`bundle_gc_pause_seconds`; on the H200 at

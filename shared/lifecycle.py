@@ -18,19 +18,17 @@ import random
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from shared.engine.contract import Engine, SamplingRequest
+from shared.engine.contract import Engine, EngineFactory, SamplingRequest
 from shared.engine.presets import apply_preset
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.errors import EngineUnavailable
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
-
-Opener = Callable[[Settings], AbstractAsyncContextManager[Engine]]
 
 WARM_UP_SEED = 20261130  # fixed prompts: every container warms up the same kernels
 # vLLM's GPU sampler (the 0.2x line, the H200's 0.26 included) masks top-k/top-p with a Triton
@@ -65,7 +63,7 @@ class WakeReport:
 class EngineLifecycle:
     """One engine through start, warm-up, sleep and wake, owned until `stop`."""
 
-    def __init__(self, settings: Settings, opener: Opener = open_engine) -> None:
+    def __init__(self, settings: Settings, opener: EngineFactory = open_engine) -> None:
         # Sleep mode must be chosen when the engine starts; vLLM ignores it where unsupported.
         self.settings = settings.model_copy(update={"sleep_mode": True})
         self.engine: Engine | None = None

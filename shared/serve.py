@@ -65,7 +65,7 @@ def serve(settings: Settings) -> None:
     listener = claim_port(settings)
     from shared.cache.layout import point_caches_at
     from shared.engine.model_inspection import begin_inspection
-    from shared.engine.vllm import import_vllm, resolve_model_path
+    from shared.engine.vllm_startup import import_vllm, resolve_model_path
     from shared.http.api import create_app
     from shared.http.process import run_server
     from shared.server_state import ExitRequest
@@ -145,7 +145,7 @@ def serve_processes(settings: Settings) -> None:
 @asynccontextmanager
 async def marked_engine(settings: Settings) -> AsyncIterator[VLLMEngine]:
     """`open_engine`, with a marker once the engine answers."""
-    from shared.engine.vllm import open_engine
+    from shared.engine.vllm_startup import open_engine
 
     async with open_engine(settings) as engine:
         mark("engine")

@@ -45,8 +45,8 @@ class Service:
         self.metrics = metrics or Metrics()
         self._watch_engine(engine)
         self.registry = Registry(settings, self.metrics)
-        # Start-time adapters were loaded with the engine (`open_engine`).
-        self.adapters = Adapters(settings, engine, self.metrics, getattr(engine, "static_adapters", ()))
+        # Start-time adapters were loaded with the engine (shared/engine/vllm_startup.py, `open_engine`).
+        self.adapters = Adapters(settings, engine, self.metrics, engine.static_adapters)
         self.metrics.watch_held(lambda: self.registry.stats()["held_requests"])
         self.pacing = StreamPacing(settings.stream_batch_at, engine, self.registry)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
@@ -67,10 +67,10 @@ class Service:
     def _watch_engine(self, engine: Engine) -> None:
         """The engine's own gauges: running requests, output timings, the paths it found."""
         self.metrics.watch_engine(engine.running_requests)
-        timings = getattr(engine, "output_timings", None)  # vLLM's engine only (shared/obs/engine_outputs.py)
+        timings = engine.output_timings  # vLLM's engine only (shared/obs/engine_outputs.py)
         if timings is not None:
             self.metrics.watch_engine_outputs(timings)
-        features = getattr(engine, "features", None)  # vLLM's engine only (shared/engine/vllm_features.py)
+        features = engine.features  # vLLM's engine only (shared/engine/vllm_features.py)
         if features is not None:
             self.metrics.show_engine_features((feature.name, feature.path) for feature in features.found)
 

@@ -113,7 +113,7 @@ class EngineSection(Section):
     dtype: Dtype = Field(
         "auto",
         description="vLLM's weight and compute dtype. 'auto': the checkpoint's, but float32 for the "
-        "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine/vllm.py).",
+        "tiny model (the one dtype that also runs under Cog's worker on CPU; shared/engine/vllm_startup.py).",
     )
     max_model_len: int | None = Field(
         None, description="Longest sequence (prompt + output) in tokens. Unset: the model's own."

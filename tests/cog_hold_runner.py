@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ import cog_bridge  # noqa: E402
 import cog_cancel  # noqa: E402
 import predict  # noqa: E402  (installs the runner's cancel hook)
 
+from shared.engine.vllm_startup import open_engine  # noqa: E402
+from shared.settings import Settings  # noqa: E402
 from tests.gate import GatedEngine  # noqa: E402
 
 HOLD_DIR_VARIABLE = "COG_TEST_HOLD_DIR"
@@ -160,7 +164,20 @@ async def _until_cancelled(prediction: str, *, ignore_task_cancel: bool) -> None
 cog_bridge.start_generation = _held_start(cog_bridge.start_generation)  # type: ignore[assignment]
 
 
-# --- the engine: budgets and markers ------------------------------------------------------------------
+# --- the engine: a gate inside the service's guard, budgets and markers outside it --------------------
+@asynccontextmanager
+async def _gated_engine(settings: Settings) -> AsyncIterator[Any]:
+    """The real engine behind the test gate, as tests/gated_serve.py gives the HTTP server one: the
+    gate reaches vLLM itself (`llm`) to freeze it, which the service's GuardedEngine does not pass on."""
+    folder = _folder() / GATE_FOLDER
+    folder.mkdir(exist_ok=True)
+    async with open_engine(settings) as engine:
+        yield GatedEngine(engine, folder)
+
+
+predict.start_service = functools.partial(predict.start_service, engine_factory=_gated_engine)  # type: ignore[assignment]
+
+
 class HeldEngine:
     """The service's engine, its outputs passed on within each prediction's budget."""
 
@@ -199,9 +216,6 @@ class Runner(predict.Runner):
     async def setup(self, weights: Path | str | None = None) -> None:
         if not os.environ.get(HOLD_DIR_VARIABLE):
             raise RuntimeError(f"{HOLD_DIR_VARIABLE} must name the folder of the test's hold files")
-        await super().setup(weights)
-        gate_folder = _folder() / GATE_FOLDER
-        gate_folder.mkdir(exist_ok=True)
-        gated = GatedEngine(self.service.engine, gate_folder)
-        self.service.engine = HeldEngine(gated)  # type: ignore[assignment]
+        await super().setup(weights)  # the engine gated by `_gated_engine`
+        self.service.engine = HeldEngine(self.service.engine)  # type: ignore[assignment]
         self.service.open = _held_open(self.service.open)  # type: ignore[method-assign]

@@ -26,7 +26,7 @@ import pytest
 import uvicorn
 
 from shared.engine.contract import Engine
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.http.api import create_app
 from shared.service import Service
 from shared.settings import Settings

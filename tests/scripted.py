@@ -15,9 +15,10 @@ from shared.engine.lora import Adapter
 from shared.errors import InvalidRequest
 
 
-class RefusesExtras:
+class RefusesExtras(Engine):
     """The `Engine` methods a stand-in engine has nothing behind: tool calls, constrained output
-    and LoRA adapters are the client's 400, as an engine that cannot serve them answers."""
+    and LoRA adapters are the client's 400, as an engine that cannot serve them answers. Its
+    optional members keep the protocol's defaults (no features, timings, cache counts)."""
 
     def tool_parser(self, tools: Sequence[dict[str, Any]]) -> Any:
         raise InvalidRequest("tools: this test engine serves no tool calls", param="tools")

@@ -14,8 +14,8 @@ Tokens, not outputs: when its reader falls behind (a loaded machine), vLLM merge
 outputs into one, so the number of outputs depends on the machine's speed; a held generation has
 always sent at most k tokens, and never its end.
 
-The gate is this test's own minimal one (tests/gate.py, being built for the whole suite, was not
-there yet when this was written).
+Its gate is its own: one file for every generation, counted in tokens (tests/gate.py holds only
+the generations whose prompt names a rule, counted in outputs).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from shared.engine.contract import Engine, EngineDelta, SamplingRequest
-from shared.engine.vllm import open_engine
+from shared.engine.vllm_startup import open_engine
 from shared.settings import Settings
 
 GATE_VARIABLE = "TAKEOVER_GATE"
@@ -93,7 +93,7 @@ class GatedEngine:
 
 
 def main() -> None:
-    from shared.engine.vllm import import_vllm, resolve_model_path
+    from shared.engine.vllm_startup import import_vllm, resolve_model_path
     from shared.http.api import create_app
     from shared.http.process import run_server
     from shared.server_state import ExitRequest

@@ -19,7 +19,7 @@ import cog_bridge as bridge
 import httpx
 import pytest
 
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.errors import EngineUnavailable, IdempotencyConflict, InvalidRequest
 from shared.schemas import ChatCompletionRequest, CompletionRequest
 from shared.service import Service

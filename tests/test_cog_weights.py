@@ -23,7 +23,7 @@ import cog_bridge as bridge
 import httpx
 import pytest
 
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.errors import WeightsUnavailable
 from shared.models import weights
 from shared.settings import Settings

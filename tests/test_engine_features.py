@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from shared.engine import vllm_features
-from shared.engine.vllm import VLLMEngine, log_features
+from shared.engine.vllm import VLLMEngine
 from shared.engine.vllm_features import EngineFeatures, Feature
+from shared.engine.vllm_startup import log_features
 from tests.conftest import LiveServers
 from tests.gate import GatedEngine
 from tests.real_server import GroupSigterm, RealStart
@@ -80,7 +81,7 @@ def test_a_real_start_logs_every_path_in_one_line(real_start: RealStart) -> None
 
 def test_a_fallback_is_a_warning_naming_it(live: LiveServers, caplog: pytest.LogCaptureFixture) -> None:
     features = with_path(engine_of(live).features, "client_errors", "value_error_only")
-    with caplog.at_level(logging.INFO, logger="shared.engine.vllm"):
+    with caplog.at_level(logging.INFO, logger="shared.engine.vllm_startup"):
         log_features(features)
     (record,) = caplog.records
     assert record.levelno == logging.WARNING

@@ -140,9 +140,9 @@ def test_graph_is_read() -> None:
     edges = graph()
     assert len(edges) > 40
     assert "shared.engine.contract" in edges["shared.service"]
-    assert "shared.engine.vllm" in edges["shared.assembly"]
+    assert "shared.engine.vllm_startup" in edges["shared.assembly"]
     assert "shared.engine.contract" in edges["shared.shaping.choices"]
-    assert "shared.models.tiny_model" in edges["shared.engine.vllm"]
+    assert "shared.models.tiny_model" in edges["shared.engine.vllm_startup"]
     assert "shared.http.api" in edges["shared.serve"]
     assert "cog_bridge" in edges["predict"]
     assert "bundle_client.sse" in edges["bundle_client.client"]

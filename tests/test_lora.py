@@ -27,7 +27,7 @@ import pytest
 from cog_bridge import chat_request_from_inputs, with_adapter
 
 from shared.engine.lora import COG_PREFIX
-from shared.engine.vllm import resolve_model_path
+from shared.engine.vllm_startup import resolve_model_path
 from shared.models.random_adapter import write_adapter
 from shared.service import Service
 from shared.settings import Settings

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from shared.engine.lora import base_warning, load_static, same_model, served_model_names
-from shared.engine.vllm import open_engine, resolve_model_path
+from shared.engine.vllm_startup import open_engine, resolve_model_path
 from shared.errors import InvalidRequest
 from shared.models.random_adapter import write_adapter
 from shared.service import Service

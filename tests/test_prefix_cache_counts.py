@@ -18,7 +18,7 @@ def _completion(http: httpx.Client, prompt: list[int]) -> None:
 
 
 def test_a_repeated_prompt_is_counted_as_prefix_cache_hits(http: httpx.Client, service: Service) -> None:
-    counts = service.engine.prefix_cache  # type: ignore[attr-defined]
+    counts = service.engine.prefix_cache
     assert isinstance(counts, PrefixCacheCounts)
     prompt = [random.randrange(16, 1000) for _ in range(600)]  # several KV blocks, unseen before
     before = (counts.queries, counts.hits)

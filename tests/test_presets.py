@@ -7,7 +7,7 @@ import typing
 import pytest
 
 from shared.engine.presets import PRESETS, apply_preset
-from shared.engine.vllm import engine_args
+from shared.engine.vllm_startup import engine_args
 from shared.settings import Settings
 
 

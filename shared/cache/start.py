@@ -1,6 +1,6 @@
 """What an engine start does with compile caches: the one call before vLLM's engine starts.
 
-    use_compile_caches(settings, engine_args)   # shared/engine/vllm.py, start_llm
+    use_compile_caches(settings, engine_args)   # shared/engine/vllm_startup.py, start_llm
 
 With a root (BUNDLE_COMPILE_CACHE_DIR, or a pack given: shared/cache/layout.py) it points the
 caches at it, unpacks the pack (BUNDLE_COMPILE_CACHE) if it was made for this very start, and

@@ -1,19 +1,26 @@
-"""The engine contract: what the API asks of a model server, and the values that cross the seam.
+"""The engine contract: what the API asks of a model server, the values that cross the seam,
+and the one type of what opens an engine (`EngineFactory`).
 
 The API only ever sees `Engine` and these value types; `shared.engine.vllm` implements it on
-vLLM, `tests/fakes.py` and `tests/scripted.py` stand in for it where a test needs a fault or a
-schedule the real engine cannot give on demand.
+vLLM (started by `shared.engine.vllm_startup.open_engine`), `tests/fakes.py` and
+`tests/scripted.py` stand in for it where a test needs a fault or a schedule the real engine
+cannot give on demand.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from shared.settings import Settings
+
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
+    from shared.engine.vllm_features import EngineFeatures
+    from shared.obs.engine_outputs import OutputTimings
 
 
 # What a request may ask of the output, and what a tool-call parser (`Engine.tool_parser`) emits:
@@ -138,7 +145,12 @@ class EngineInfo:
 
 
 class Engine(Protocol):
-    """What the API needs from a model server; `tests/fakes.py` has a fault-injecting twin."""
+    """What the API needs from a model server; `tests/fakes.py` has a fault-injecting twin.
+
+    The members at the end have a default: an engine that has nothing behind one (a test's
+    stand-in) names `Engine` as its base and inherits it, so the API never asks whether an
+    engine has a member. A wrapper must not inherit them: it would hide the inner engine's.
+    """
 
     info: EngineInfo
     # Whether `SamplingRequest.stream_interval` is honoured (vLLM's per-request interval).
@@ -194,3 +206,41 @@ class Engine(Protocol):
     async def remove_adapter(self, adapter: Adapter) -> None:
         """Drop an adapter once the requests running on it have ended."""
         ...
+
+    # --- optional, with what an engine that has none reports ---------------------------------------
+    @property
+    def features(self) -> EngineFeatures | None:
+        """The path each feature check took at start (shared/engine/vllm_features.py), shown in
+        `bundle_engine_features`; None: this engine checks none."""
+        return None
+
+    @property
+    def output_timings(self) -> OutputTimings | None:
+        """How long the engine's step outputs wait for this process (shared/obs/engine_outputs.py);
+        None: not measured."""
+        return None
+
+    @property
+    def prefix_cache(self) -> PrefixCacheCounts | None:
+        """Prompt tokens looked up in the prefix cache and those found there (the stats file);
+        None: not counted."""
+        return None
+
+    @property
+    def static_adapters(self) -> Sequence[Adapter]:
+        """The LoRA adapters loaded with the engine at start (BUNDLE_LORA_MODULES)."""
+        return ()
+
+    def decode_steps(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special_tokens: bool
+    ) -> list[str | None] | None:
+        """The text each output id adds after the prompt, None while it ends inside a character:
+        what the engine streamed for them. A takeover uses it to find where the text already
+        sent ends among the ids (shared/replicas/takeover.py). None: this engine cannot tell, so
+        a continuation generates every id again. CPU-bound: run it off the event loop."""
+        return None
+
+
+# What opens an engine for as long as the block runs (`shared.engine.vllm_startup.open_engine`,
+# a test's stand-in, a snapshot's engine handed on by shared/lifecycle.py).
+EngineFactory = Callable[[Settings], AbstractAsyncContextManager[Engine]]

@@ -99,8 +99,8 @@ _HUB_CACHE_FOLDER = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)(?:/snapshots/[
 
 def served_model_names(settings: Settings) -> tuple[str, ...]:
     """Every name the served model goes by: BUNDLE_MODEL, the served name, and the local folder
-    the engine loads it from (the tiny model's build folder, as `shared.engine.vllm.
-    resolve_model_path` gives it; a local BUNDLE_MODEL resolved)."""
+    the engine loads it from (the tiny model's build folder, as
+    `shared.engine.vllm_startup.resolve_model_path` gives it; a local BUNDLE_MODEL resolved)."""
     names = [settings.model, settings.model_name]
     if settings.uses_tiny_model:
         names.append(str(ensure_model(settings.cache_dir, settings.tiny_model_shape, settings.tiny_model_seed)))

@@ -11,7 +11,7 @@ while this one imports vLLM and downloads the weights:
 
     begin_inspection(model_dir)   # after point_caches_at(): the cache root vLLM will read
     ...                            # import vLLM, download the weights and the pack
-    settle_inspection()            # shared/engine/vllm.py, after the pack, before the engine
+    settle_inspection()            # shared/engine/vllm_startup.py, after the pack, before the engine
 
 The child (`inspect_in_this_process`, in a fresh interpreter) is the fresh process vLLM would
 have started: it has the registry inspect each class in-process and save vLLM's own cache file,

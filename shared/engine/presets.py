@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # docs/performance.md, "Which N for which model", keeps the same table.
 
 # Knobs a preset sets only on a GPU. vLLM's CPU build refuses FP8 for float32 models, and the
-# local test model is float32 on purpose (see shared/engine/vllm.py, _dtype): the Modal app, run
+# local test model is float32 on purpose (see shared/engine/vllm_startup.py, _dtype): the Modal app, run
 # locally on CPU by the tests, must start with its default preset. An explicit setting applies
 # everywhere, as always.
 GPU_ONLY = frozenset({"quantization"})

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from shared.engine.contract import Engine, PrefixCacheCounts
+from shared.engine.contract import Engine
 
 
 async def publish_engine_stats(engine: Engine, path: Path, interval_s: float) -> None:
@@ -29,9 +29,8 @@ async def publish_engine_stats(engine: Engine, path: Path, interval_s: float) ->
 
 def engine_snapshot(engine: Engine) -> dict[str, Any]:
     snapshot: dict[str, Any] = {"engine_running_requests": engine.running_requests(), "time": time.time()}
-    # Only vLLM's engine counts prefix-cache hits; test fakes have nothing to report.
-    counts = getattr(engine, "prefix_cache", None)
-    if isinstance(counts, PrefixCacheCounts):
+    counts = engine.prefix_cache  # only vLLM's engine counts prefix-cache hits; test fakes have none
+    if counts is not None:
         snapshot["prefix_cache_queries"] = counts.queries
         snapshot["prefix_cache_hits"] = counts.hits
     return snapshot

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from shared.assembly import EngineFactory, start_service
-from shared.engine.contract import Engine
-from shared.engine.vllm import open_engine
+from shared.assembly import start_service
+from shared.engine.contract import Engine, EngineFactory
+from shared.engine.vllm_startup import open_engine
 from shared.errors import (
     BundleError,
     Cancelled,

@@ -2,7 +2,7 @@
 
 A collection holds the GIL from start to end, so the event loop stops with it: every stream's
 next token and every waiting admission wait for it. The engine freezes the heap that start-up
-leaves (shared/engine/vllm.py, `freeze_startup_heap`), so what a collection walks is what serving
+leaves (shared/engine/vllm_startup.py, `freeze_startup_heap`), so what a collection walks is what serving
 itself keeps alive, and what it frees is per-request objects caught in reference cycles (the
 server's, the web framework's and vLLM's). This histogram says how often and how long, so that
 a tail in time to first token or inter-token latency can be laid beside it.

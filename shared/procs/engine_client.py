@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from shared.engine.vllm import VLLMEngine, engine_args, freeze_startup_heap, import_engine_modules, open_engine
+from shared.engine.vllm import VLLMEngine
+from shared.engine.vllm_startup import engine_args, freeze_startup_heap, import_engine_modules, open_engine
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def start_client_llm(settings: Settings, slot: ClientSlot) -> Any:
     llm = AsyncLLM.from_vllm_config(
         config,
         usage_context=UsageContext.OPENAI_API_SERVER,
-        disable_log_stats=True,  # as the bundle's own engine (shared/engine/vllm.py)
+        disable_log_stats=True,  # as the bundle's own engine (shared/engine/vllm_startup.py)
         client_addresses=slot.addresses,
         client_count=slot.count,
         client_index=slot.index,

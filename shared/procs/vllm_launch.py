@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from shared.engine.vllm import engine_args
+from shared.engine.vllm_startup import engine_args
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -92,9 +92,7 @@ class Continuation:
         cannot decode that way)."""
         skip_special = bool(recipe.sampling["skip_special_tokens"])
         loop = asyncio.get_running_loop()
-        decode = getattr(self._engine, "decode_steps", None)  # TEMPORARY until the contract declares it
-        if decode is None:
-            return None
+        decode = self._engine.decode_steps
         return await loop.run_in_executor(self._tokenizer_thread, decode, recipe.prompt, ids, skip_special)
 
     async def _go_on(

@@ -438,7 +438,7 @@ def _refusal_record(refusal: BundleError) -> bytes:
     )
 
 
-def _refusal_from(raw: bytes) -> BundleError:
+def _refusal_from(raw: bytes | str) -> BundleError:
     """The refusal as the owner raised it: a 429 keeps its Retry-After."""
     record = orjson.loads(raw)
     if record["retry_after_s"] is not None:
