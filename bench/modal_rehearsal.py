@@ -249,7 +249,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
 def engine_loop_is(container: Any, snapshots: bool) -> bool:
     """Whether the engine that served the app is on the container's loop (vLLM's output handler
     is a task of the loop the engine started on) and, with snapshots, is the hooks' engine."""
-    served = container.asgi_app.state.service.engine._engine  # inside the core's GuardedEngine
+    served = container.asgi_app.state.service.engine.inner  # inside the core's GuardedEngine
     handler = getattr(served.llm, "output_handler", None)
     same = not snapshots or served is container.instance.lifecycle.engine
     return same and handler is not None and handler.get_loop() is container.loop.loop

@@ -19,23 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from shared.engine.contract import (
-    Engine,
-    EngineDelta,
-    OutputConstraint,
-    PrefixCacheCounts,
-    SamplingRequest,
-    ToolCallShaper,
-)
+from shared.engine.contract import Engine, EngineDelta, SamplingRequest
+from shared.engine.wrapper import EngineWrapper
 from shared.errors import SHUT_DOWN_MID_GENERATION, SHUTDOWN_MESSAGE, EngineUnavailable, ShuttingDown
 
 if TYPE_CHECKING:
-    from shared.engine.lora import Adapter
-    from shared.engine.vllm_features import EngineFeatures
-    from shared.obs.engine_outputs import OutputTimings
     from shared.service import Service
 
 log = logging.getLogger(__name__)
@@ -126,27 +117,18 @@ async def _streams_ended(service: Service, bound_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
-class GuardedEngine:
+class GuardedEngine(EngineWrapper):
     """The engine as the service sees it: a failure while the server drains is reported as the
     shutdown it is, and a dead engine counts no running requests (its own count is frozen).
-
-    Every other member of `Engine` is passed on by hand. It does not name `Engine` as a base on
-    purpose: it would inherit the protocol's defaults for the optional members and so hide the
-    engine's own. A member the protocol gains and this class lacks fails mypy at
-    `_guards_every_member` instead.
-    """
+    Every other member of `Engine` is passed on (`EngineWrapper`)."""
 
     def __init__(self, engine: Engine, server_state: ServerState) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._server_state = server_state
-        # Set when the engine starts and never changed after, so read once.
-        self.info = engine.info
-        self.paces_each_request = engine.paces_each_request
 
-    # --- guarded ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         try:
-            async for delta in self._engine.generate(request_id, request):
+            async for delta in self.inner.generate(request_id, request):
                 yield delta
         except EngineUnavailable as exc:
             await asyncio.sleep(SIGNAL_SETTLE_S)
@@ -155,62 +137,4 @@ class GuardedEngine:
             raise
 
     def running_requests(self) -> int:
-        return self._engine.running_requests() if self._engine.healthy() else 0
-
-    # --- passed on --------------------------------------------------------------------------------
-    def healthy(self) -> bool:
-        return self._engine.healthy()
-
-    def ready(self) -> bool:
-        return self._engine.ready()
-
-    def tokenize(self, prompt: str) -> list[int]:
-        return self._engine.tokenize(prompt)
-
-    def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-    ) -> list[int]:
-        return self._engine.render_chat(messages, tools)
-
-    def tool_parser(self, tools: Sequence[dict[str, Any]]) -> ToolCallShaper:
-        return self._engine.tool_parser(tools)
-
-    def check_constraint(self, constraint: OutputConstraint, param: str) -> None:
-        self._engine.check_constraint(constraint, param)
-
-    def decode_steps(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special_tokens: bool
-    ) -> list[str | None] | None:
-        return self._engine.decode_steps(prompt_ids, output_ids, skip_special_tokens)
-
-    async def sleep(self) -> None:
-        await self._engine.sleep()
-
-    async def wake_up(self) -> None:
-        await self._engine.wake_up()
-
-    async def add_adapter(self, adapter: Adapter) -> None:
-        await self._engine.add_adapter(adapter)
-
-    async def remove_adapter(self, adapter: Adapter) -> None:
-        await self._engine.remove_adapter(adapter)
-
-    @property
-    def features(self) -> EngineFeatures | None:
-        return self._engine.features
-
-    @property
-    def output_timings(self) -> OutputTimings | None:
-        return self._engine.output_timings
-
-    @property
-    def prefix_cache(self) -> PrefixCacheCounts | None:
-        return self._engine.prefix_cache
-
-    @property
-    def static_adapters(self) -> Sequence[Adapter]:
-        return self._engine.static_adapters
-
-
-def _guards_every_member(engine: GuardedEngine) -> Engine:
-    return engine  # mypy (make check): GuardedEngine has every member of `Engine`
+        return self.inner.running_requests() if self.inner.healthy() else 0

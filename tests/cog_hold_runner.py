@@ -50,6 +50,7 @@ import cog_cancel  # noqa: E402
 import predict  # noqa: E402  (installs the runner's cancel hook)
 
 from shared.engine.vllm_startup import open_engine  # noqa: E402
+from shared.engine.wrapper import EngineWrapper  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from tests.gate import GatedEngine  # noqa: E402
 
@@ -178,26 +179,20 @@ async def _gated_engine(settings: Settings) -> AsyncIterator[Any]:
 predict.start_service = functools.partial(predict.start_service, engine_factory=_gated_engine)  # type: ignore[assignment]
 
 
-class HeldEngine:
+class HeldEngine(EngineWrapper):
     """The service's engine, its outputs passed on within each prediction's budget."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
     async def generate(self, request_id: str, request: Any) -> AsyncIterator[Any]:
         prediction = _prediction.get()
         if prediction is None:  # the warm-up, or anything not from a prediction
-            async for delta in self._engine.generate(request_id, request):
+            async for delta in self.inner.generate(request_id, request):
                 yield delta
             return
         _mark(prediction, "generating")
         how = "aborted"
         try:
             passed = 0
-            async for delta in self._engine.generate(request_id, request):
+            async for delta in self.inner.generate(request_id, request):
                 if delta.text:
                     await _within_budget(prediction, passed + 1)
                     passed += 1

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.engine.contract import Engine, EngineDelta, SamplingRequest
+from shared.engine.wrapper import EngineWrapper
 
 POLL_S = 0.01  # how often a held generation looks for its release, and a test for the hold
 THAW_TIMEOUT_S = 60.0  # resuming a paused engine takes milliseconds; this only stops a hang
@@ -88,28 +89,25 @@ def _closed_rules(folder: Path) -> list[_Rule]:
     return rules
 
 
-class GatedEngine:
-    """`engine`, holding the generations that the rules in `folder` name (see the module)."""
+class GatedEngine(EngineWrapper):
+    """`engine`, holding the generations that the rules in `folder` name (see the module); every
+    other member of the contract is the engine's own (`EngineWrapper`)."""
 
     def __init__(self, engine: Engine, folder: Path) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._folder = folder
         self._decode: Callable[[Sequence[int]], str] | None = None
         self._frozen = 0  # holds that keep the engine paused right now
 
     @property
-    def inner(self) -> Engine:
-        """The engine behind the gate (a test that needs its own type: VLLMEngine's features)."""
-        return self._engine
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything but `generate` (info, tokenize, healthy, running_requests, llm...) passes.
-        return getattr(self._engine, name)
+    def llm(self) -> Any:
+        """vLLM's AsyncLLM behind the gate (a real engine's: the gate pauses it)."""
+        return self.inner.llm  # type: ignore[attr-defined]
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         rule = self._rule_for(request.prompt_token_ids)
         if rule is None:
-            async for delta in self._engine.generate(request_id, request):
+            async for delta in self.inner.generate(request_id, request):
                 yield delta
             return
         waiting = True  # for the hold; it comes once per generation
@@ -117,7 +115,7 @@ class GatedEngine:
             await self._hold(rule)
             waiting = False
         passed = 0
-        async for delta in self._engine.generate(request_id, request):
+        async for delta in self.inner.generate(request_id, request):
             yield delta
             passed += 1
             # Never after a finishing delta: the API would already have its end.
@@ -136,7 +134,7 @@ class GatedEngine:
 
     def _decoder(self) -> Callable[[Sequence[int]], str]:
         if self._decode is None:
-            tokenizer = self._engine.llm.get_tokenizer()  # type: ignore[attr-defined]
+            tokenizer = self.llm.get_tokenizer()  # type: ignore[attr-defined]
             self._decode = tokenizer.decode
         return self._decode
 
@@ -146,7 +144,7 @@ class GatedEngine:
             self._frozen += 1
         try:
             if rule.freeze_engine and self._frozen == 1:
-                await self._engine.llm.pause_generation(mode="keep", clear_cache=False)  # type: ignore[attr-defined]
+                await self.llm.pause_generation(mode="keep", clear_cache=False)  # type: ignore[attr-defined]
             rule.note("held")
             while not rule.is_open():  # noqa: ASYNC110  (another process may write the release)
                 await asyncio.sleep(POLL_S)
@@ -158,14 +156,14 @@ class GatedEngine:
                     await asyncio.shield(self._thaw())
 
     async def _thaw(self) -> None:
-        if not self._engine.healthy():  # a dead engine has nothing to resume
+        if not self.inner.healthy():  # a dead engine has nothing to resume
             return
         try:
             # Bounded: a core that died a moment ago may never answer (vLLM has not noticed yet).
             async with asyncio.timeout(THAW_TIMEOUT_S):
-                await self._engine.llm.resume_generation()  # type: ignore[attr-defined]
+                await self.llm.resume_generation()  # type: ignore[attr-defined]
         except Exception:
-            if self._engine.healthy():
+            if self.inner.healthy():
                 raise
 
 

@@ -176,11 +176,13 @@ class GatedServeCommands:
     `python -m tests.gated_serve --gate-dir DIR`: the same server, its engine behind the test gate
     (tests/gate.py), so the stream running at the signal can be held inside the engine."""
 
+    # What bench.startup uses of `subprocess` besides Popen, each named.
+    DEVNULL, PIPE, STDOUT = subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT
+    TimeoutExpired, SubprocessError = subprocess.TimeoutExpired, subprocess.SubprocessError
+    run = staticmethod(subprocess.run)
+
     def __init__(self, gate_dir: Path) -> None:
         self.gate_dir = gate_dir
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(subprocess, name)
 
     def Popen(self, command: list[str], **options: object) -> subprocess.Popen[bytes]:  # noqa: N802
         if command[1:3] == ["-m", "shared.serve"]:

@@ -32,6 +32,7 @@ import orjson
 
 from shared.engine.contract import Engine, EngineDelta, SamplingRequest
 from shared.engine.vllm_startup import open_engine
+from shared.engine.wrapper import EngineWrapper
 from shared.settings import Settings
 
 GATE_VARIABLE = "TAKEOVER_GATE"
@@ -74,19 +75,16 @@ class FileGate:
             await asyncio.sleep(POLL_S)
 
 
-class GatedEngine:
+class GatedEngine(EngineWrapper):
     """The real engine, each generation's outputs passed through the gate."""
 
     def __init__(self, engine: Engine, gate: FileGate) -> None:
-        self._engine = engine
+        super().__init__(engine)  # everything but `generate` is the engine's own
         self._gate = gate
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)  # everything but `generate` is the engine's own
 
     async def generate(self, request_id: str, request: SamplingRequest) -> AsyncIterator[EngineDelta]:
         tokens = 0
-        async for delta in self._engine.generate(request_id, request):
+        async for delta in self.inner.generate(request_id, request):
             tokens += delta.token_count
             await self._gate.pass_output(tokens, request_id)
             yield delta
