@@ -12,6 +12,7 @@ from prometheus_client.core import SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.obs.engine_outputs import OutputTimings
+from shared.obs.internals_check import Found, reported
 from shared.obs.loop_metrics import LoopCounter, LoopHistogram
 from shared.obs.process_metrics import ProcessBoard
 
@@ -118,6 +119,8 @@ class Metrics:
         self._add_store_metrics(r)
         self._add_takeover_metrics(r)
         self._add_model_metrics(r)
+        if reported():  # the server (or the Cog runner) checked its stack's internals at start
+            self.show_server_features(reported())
 
     def _add_takeover_metrics(self, r: CollectorRegistry) -> None:
         """Generations continued across replicas (BUNDLE_REDIS_URL, BUNDLE_TAKEOVER)."""
@@ -260,6 +263,20 @@ class Metrics:
         )
         for feature, path in paths:
             features.labels(feature, path).set(1)
+
+    def show_server_features(self, found: Iterable[Found]) -> None:
+        """Which path each use of uvicorn's, Starlette's or coglet's internals took at start
+        (shared/obs/internals_check.py): one series per (component, feature, path), set to 1.
+        Added up over several API processes like every gauge: the value is then how many took it."""
+        features = Gauge(
+            "bundle_server_features",
+            "The path each check of the serving stack's internals (uvicorn, Starlette, coglet) took "
+            "at start (1 per process, feature and path).",
+            ["component", "feature", "path"],
+            registry=self.registry,
+        )
+        for each in found:
+            features.labels(each.component, each.feature, each.path).set(1)
 
     def watch_engine_outputs(self, timings: OutputTimings) -> None:
         """The engine's step outputs: how long they waited for the API process and how long it
