@@ -1,4 +1,5 @@
-"""A body chunk written onto the connection at once, from whichever task made it.
+"""A body chunk written onto the connection at once, from whichever task made it: uvicorn's
+response cycle framed and written to directly, skipping the server's `send`.
 
 Streaming through ASGI costs each token of each stream two turns of the one event loop: the
 generation's task appends the event, then the response's task wakes to hand it to the server's
@@ -16,7 +17,8 @@ gets no direct write at all. Each fall-back to `send` is reported with its reaso
 the `bundle_direct_write_fallbacks_total` metric): `server` (no direct write on this server, once
 per stream), `disconnected`, `paused` (back-pressure), `not_started`, `complete`, `not_chunked`.
 An empty chunk is written as nothing (and said True): framed, it would be `0\r\n\r\n`, the end
-of a chunked body, where uvicorn's own `send` writes nothing for it.
+of a chunked body, where uvicorn's own `send` writes nothing for it. What it reads of uvicorn's
+cycle it reads through shared/http/server_internals.py: a release without it gets no direct write.
 
 The queued chunks of every connection go to their transports together, in one callback at the
 start of the event loop's next turn: written as each is made instead, the writes of one engine
@@ -35,10 +37,8 @@ from typing import Any
 from starlette.types import Send
 
 from shared.generation.replay import WriteNow
+from shared.http.server_internals import cycle_transport, response_cycle, unwritable
 
-# Where uvicorn keeps one request's response state; checked by name, so that nothing is imported
-# from a protocol module this server may not be running.
-_UVICORN_HTTPTOOLS_CYCLE = ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle")
 Fallback = Callable[[str], None]  # told the reason each time a chunk must go through `send`
 
 
@@ -46,40 +46,26 @@ def direct_write(send: Send, on_fallback: Fallback = lambda reason: None) -> Wri
     """The direct write for the connection behind `send` (the server's own ASGI send, not a
     middleware's wrapper), or None where the server offers none we can use safely. Every time
     a chunk must go through `send` instead, `on_fallback(reason)` is told why."""
-    cycle = getattr(send, "__self__", None)
-    kind = type(cycle)
-    if (kind.__module__, kind.__name__) != _UVICORN_HTTPTOOLS_CYCLE:
+    cycle = response_cycle(send)
+    if cycle is None:
         on_fallback("server")
         return None
     return _chunk_writer(cycle, on_fallback)
 
 
 def _chunk_writer(cycle: Any, on_fallback: Fallback) -> WriteNow:
+    transport = cycle_transport(cycle)
+
     def write_now(chunk: bytes) -> bool:
-        refusal = _refusal(cycle)
+        refusal = unwritable(cycle)
         if refusal is not None:
             on_fallback(refusal)
             return False
         if chunk:  # framed, an empty chunk would end the body (module docstring)
-            _queue(cycle.transport, b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            _queue(transport, b"%x\r\n%s\r\n" % (len(chunk), chunk))
         return True
 
     return write_now
-
-
-def _refusal(cycle: Any) -> str | None:
-    """Why this response's chunk cannot go on its connection now; None when it can."""
-    if cycle.disconnected:
-        return "disconnected"
-    if cycle.flow.write_paused:
-        return "paused"
-    if not cycle.response_started:
-        return "not_started"
-    if cycle.response_complete:
-        return "complete"
-    if not cycle.chunked_encoding:
-        return "not_chunked"
-    return None
 
 
 # Per event loop (tests run several), the chunks waiting for the next turn's flush; an entry

@@ -1,4 +1,5 @@
-"""Bounds on what a connection may cost before the app sees a request (uvicorn's layer).
+"""Bounds on what a connection may cost before the app sees a request: uvicorn's HTTP protocols
+with head size and time bounds, early refusal of oversized bodies, and a lingering close.
 
 What is bounded where:
 - bytes of a request's head (request line + headers) and the time to deliver it (then that of
@@ -23,28 +24,33 @@ reset, which can destroy our 413 before the client reads it (most clients send t
 before they read). So a connection closed while its request body is unread is closed the way
 nginx's lingering close does it: the answer is flushed, our side shut for writing, and whatever
 the client still sends is dropped unparsed for at most `LINGER_S`, then the connection closes.
+
+What the protocols read of uvicorn's internals they read through shared/http/server_internals.py,
+which checks it at start; where a release lacks it, the bound that needs it is off (logged).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import sys
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol
+
+from starlette.types import Scope
 
 from shared.errors import BundleError, HeadersTooLarge, RequestTimeout, RequestTooLarge
+from shared.http import server_internals
 from shared.http.headers import stamp_arrival
+from shared.http.server_internals import PendingRequest
+from shared.obs.internals_check import InternalsCheck
 from shared.settings import Settings
 from shared.streaming import error_data
-
-if TYPE_CHECKING:
-    from starlette.types import Scope
 
 _REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large"}
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """The uvicorn.Config keyword arguments that bound connections for these settings."""
+def uvicorn_options(settings: Settings, check: InternalsCheck | None = None) -> dict[str, Any]:
+    """The uvicorn.Config keyword arguments that bound connections for these settings, with the
+    protocols built for what `check` found of uvicorn's internals (default: the start's check)."""
+    check = check or server_internals.found()
     options: dict[str, Any] = {
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         # Keep-alive helps SSE clients that resume or send the next request on one connection.
@@ -54,9 +60,9 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "timeout_graceful_shutdown": int(settings.shutdown_grace_s) + 5,
     }
     protocol = bounded_httptools_protocol(
-        settings.max_header_bytes, settings.header_timeout_s, settings.max_body_bytes
+        settings.max_header_bytes, settings.header_timeout_s, settings.max_body_bytes, check
     )
-    options["http"] = protocol if protocol is not None else lingering_h11_protocol()
+    options["http"] = protocol if protocol is not None else lingering_h11_protocol(check)
     return options
 
 
@@ -66,13 +72,24 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 LINGER_S = 2.0
 
 
+class Lingers(Protocol):
+    """The protocol side of a lingering close."""
+
+    lingering: bool
+
+    def request_body_unread(self) -> bool: ...
+
+
 class LingeringClose:
     """The proxy uvicorn's protocol sees as its transport: `close()` while the request's body
     is still arriving lingers instead (module docstring). Everything else is the transport's."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, protocol: Lingers, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._loop = loop
         # Bound once: uvicorn writes each SSE chunk (one per token and stream) through here, and
         # a plain attribute skips the `__getattr__` call on that path (0.6-0.9 % of the API
         # process's samples in the profiles of 256 streams).
@@ -83,29 +100,25 @@ class LingeringClose:
         return getattr(self._transport, name)
 
     def close(self) -> None:
-        if self._transport.is_closing() or not self._protocol.body_unread():
+        if self._transport.is_closing() or not self._protocol.request_body_unread():
             self._transport.close()
             return
         self._protocol.lingering = True
         if self._transport.can_write_eof():
             self._transport.write_eof()  # the answer is flushed first, then our FIN
         self._transport.resume_reading()  # drop what comes instead of leaving it in the kernel
-        self._protocol.loop.call_later(LINGER_S, self._transport.close)
+        self._loop.call_later(LINGER_S, self._transport.close)
 
 
-def lingering_h11_protocol() -> type:
+def lingering_h11_protocol(check: InternalsCheck | None = None) -> type:
     """uvicorn's h11 protocol, closing with `LingeringClose` (h11 is used without httptools)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    base = server_internals.h11_protocol_base(check or server_internals.found())
 
-    class LingeringH11Protocol(H11Protocol):  # type: ignore[misc]
+    class LingeringH11Protocol(base):  # type: ignore[misc,valid-type]
         lingering = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
-
-        def body_unread(self) -> bool:
-            return bool(self.conn.their_state is h11.SEND_BODY)
+            super().connection_made(LingeringClose(transport, self, asyncio.get_running_loop()))  # type: ignore[arg-type]
 
         def data_received(self, data: bytes) -> None:
             if not self.lingering:
@@ -115,16 +128,19 @@ def lingering_h11_protocol() -> type:
 
 
 def bounded_httptools_protocol(
-    max_head_bytes: int, head_timeout_s: float, max_body_bytes: int = 1 << 20
+    max_head_bytes: int,
+    head_timeout_s: float,
+    max_body_bytes: int = 1 << 20,
+    check: InternalsCheck | None = None,
 ) -> type | None:
     """uvicorn's httptools protocol with a size and a time bound on each request's head, a
-    declared body over `max_body_bytes` refused at its head, and `LingeringClose`."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # no httptools: uvicorn falls back to h11 (bounded by size only)
+    declared body over `max_body_bytes` refused at its head, and `LingeringClose`; None without
+    httptools (uvicorn then falls back to h11, bounded by size only)."""
+    base = server_internals.httptools_protocol_base(check or server_internals.found())
+    if base is None:
         return None
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    class BoundedHttpToolsProtocol(base):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._head_open = True  # reading a request line + headers (not a body)
@@ -132,16 +148,15 @@ def bounded_httptools_protocol(
             self._head_timer: asyncio.TimerHandle | None = None
             # A small request's ASGI task waits for its whole body, then starts at once (below).
             self._in_head_callback = False
-            self._waiting_for_body: tuple[Any, Any] | None = None
+            self._waiting_for_body: PendingRequest | None = None
             self.lingering = False
             self._oversized = False  # this request's declared body is over max_body_bytes
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(LingeringClose(transport, self))  # type: ignore[arg-type]
+            self._event_loop = asyncio.get_running_loop()
+            self._connection = LingeringClose(transport, self, self._event_loop)
+            super().connection_made(self._connection)  # type: ignore[arg-type]
             self._arm_head_timer()  # a connection that never sends a byte is bounded too
-
-        def body_unread(self) -> bool:
-            return self.cycle is not None and self.cycle.more_body
 
         def data_received(self, data: bytes) -> None:
             if self.lingering:
@@ -150,10 +165,10 @@ def bounded_httptools_protocol(
             waiting = self._waiting_for_body
             # Body whole (uvicorn's on_message_complete clears more_body). Started after the
             # parser returned: the app never runs inside it.
-            if waiting is not None and not waiting[0].more_body:
+            if waiting is not None and waiting.body_whole:
                 self._waiting_for_body = None
                 self._disarm_head_timer()
-                self._start_now(*waiting)
+                self.start_eagerly(waiting)
 
         def _feed(self, data: bytes) -> None:
             if not self._head_open:
@@ -166,9 +181,9 @@ def bounded_httptools_protocol(
                 return
             # Feed only what the bound allows: if the head is complete within it, the rest is body.
             super().data_received(data[:room])
-            if self._head_open and not self.transport.is_closing():
+            if self._head_open and not self._connection.is_closing():
                 self._refuse(HeadersTooLarge(f"request line and headers exceed {max_head_bytes} bytes"))
-            elif not self.transport.is_closing():
+            elif not self._connection.is_closing():
                 super().data_received(data[room:])
 
         # Once refused, the rest of the bytes already handed to the parser are parsed anyway
@@ -177,9 +192,11 @@ def bounded_httptools_protocol(
             if self.lingering:
                 return
             super().on_message_begin()
-            # before the loop queues its task: admission counts from here. (uvicorn types its scope
-            # as a TypedDict of the ASGI keys; it is a plain dict, and ASGI allows extension keys.)
-            stamp_arrival(cast("Scope", self.scope))
+            # before the loop queues its task: admission counts from here (else from the app's
+            # entry, shared/http/headers.py). ASGI allows the extension key in the scope.
+            scope = self.request_scope()
+            if scope is not None:
+                stamp_arrival(scope)
             self._head_open = True
             self._arm_head_timer()
 
@@ -206,7 +223,7 @@ def bounded_httptools_protocol(
                 # them; this request's app starts only when its body is whole, so nothing would
                 # ever resume the read (a 100-250 KB body waited for the 408). Keep reading:
                 # what is buffered is bounded by SMALL_BODY_BYTES.
-                self.flow.resume_reading()
+                self.keep_reading()
 
         def on_message_complete(self) -> None:
             if self.lingering:
@@ -221,35 +238,26 @@ def bounded_httptools_protocol(
             self._disarm_head_timer()
             super().connection_lost(exc)
 
-        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        def request_ready(self, request: PendingRequest) -> None:
             """uvicorn starts a request's task at its headers, on the loop's queue. Under load
             that queue holds a write for every stream (256 streams: ~10 ms of work) and the task
             waits behind it, then waits again for its body. A small request is started instead
             when its body is complete, eagerly: parsed, validated and handed to the engine in
             the same loop turn that read it, ahead of the queued token writes."""
-            if self._in_head_callback and _declared_length(cycle.scope) > max_body_bytes:
+            if self._in_head_callback and _declared_length(request.scope) > max_body_bytes:
                 # Refused as soon as the head callback returns, before any task or route runs
                 # (auth included): nothing of the body is read, buffered or parsed.
                 self._oversized = True
                 return
-            if self._in_head_callback and _small_body(cycle.scope, self.expect_100_continue, max_body_bytes):
-                self._waiting_for_body = (cycle, app)
+            if self._in_head_callback and _small_body(request.scope, request.expects_continue, max_body_bytes):
+                self._waiting_for_body = request
                 self._arm_head_timer()  # a declared body that never comes is bounded too
                 return
-            super()._start_asgi_task(cycle, app)
-
-        def _start_now(self, cycle: Any, app: Any) -> None:
-            if sys.version_info < (3, 12):
-                super()._start_asgi_task(cycle, app)
-                return
-            context = contextvars.Context() if self.config.reset_contextvars else None
-            task = asyncio.Task(cycle.run_asgi(app), loop=self.loop, eager_start=True, context=context)  # type: ignore[call-arg]
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
+            self.start_queued(request)
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
-                self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
+                self._head_timer = self._event_loop.call_later(head_timeout_s, self._head_timed_out)
 
         def _disarm_head_timer(self) -> None:
             if self._head_timer is not None:
@@ -258,7 +266,7 @@ def bounded_httptools_protocol(
 
         def _head_timed_out(self) -> None:
             self._head_timer = None
-            if self.transport.is_closing():
+            if self._connection.is_closing():
                 return
             if self._head_open:
                 self._refuse(RequestTimeout(f"request headers not received within {head_timeout_s:g} s"))
@@ -267,8 +275,8 @@ def bounded_httptools_protocol(
                 self._refuse(RequestTimeout(f"request body not received within {head_timeout_s:g} s"))
 
         def _refuse(self, error: BundleError) -> None:
-            self.transport.write(raw_error_response(error))
-            self.transport.close()  # lingers when a body is still on its way (LingeringClose)
+            self._connection.write(raw_error_response(error))
+            self._connection.close()  # lingers when a body is still on its way (LingeringClose)
 
     return BoundedHttpToolsProtocol
 
@@ -278,7 +286,7 @@ def bounded_httptools_protocol(
 SMALL_BODY_BYTES = 256 * 1024
 
 
-def _small_body(scope: dict[str, Any], expects_continue: bool, max_body_bytes: int) -> bool:
+def _small_body(scope: Scope, expects_continue: bool, max_body_bytes: int) -> bool:
     """A body that will arrive whole on its own: declared, small, not held back for a 100
     (and not one to be refused for its size: that is answered at once)."""
     if expects_continue:
@@ -288,7 +296,7 @@ def _small_body(scope: dict[str, Any], expects_continue: bool, max_body_bytes: i
     return _declared_length(scope) <= min(SMALL_BODY_BYTES, max_body_bytes)
 
 
-def _declared_length(scope: dict[str, Any]) -> int:
+def _declared_length(scope: Scope) -> int:
     """The request's Content-Length; 0 when absent or not a number (the parser refuses those)."""
     for name, value in scope["headers"]:
         if name == b"content-length":

@@ -1,4 +1,5 @@
 """One server process: uvicorn with the bundle's bounds, a bounded drain, and an honest exit code.
+It checks uvicorn's and Starlette's internals at start (shared/http/server_internals.py).
 
 - SIGTERM/SIGINT: uvicorn closes the listening socket at once (new connections are refused) and
   waits for open responses; the app's `ServerState` starts its grace timer at the same moment, so
@@ -21,6 +22,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from shared.http import server_internals
 from shared.http.limits import uvicorn_options
 from shared.server_state import ExitRequest
 from shared.settings import Settings
@@ -49,6 +51,10 @@ def run_server(
         if service is not None:  # None: still starting, nothing to drain
             app.state.server_state.begin_shutdown(service)
 
+    # Checked before anything is built on them: the protocols below and every stream's direct
+    # write follow what it found. One line, and the app's /metrics (`bundle_server_features`).
+    internals = server_internals.found()
+    server_internals.report(internals)
     app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
     config = uvicorn.Config(
         app,
@@ -56,7 +62,7 @@ def run_server(
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        **uvicorn_options(settings),
+        **uvicorn_options(settings, internals),
     )
     server = DrainingServer(config, on_signal)
     if sockets is None:
@@ -87,4 +93,4 @@ class DrainingServer(uvicorn.Server):
             yield
             # uvicorn raises each signal it captured again as this block ends, now with the
             # default handler: the signal it took for a drain would kill the process at its end.
-            self._captured_signals.clear()
+            server_internals.forget_captured_signals(self)

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from shared.errors import EngineUnavailable, InvalidRequest, RequestTooLarge, UnsupportedMediaType
 from shared.generation.replay import WriteNow
 from shared.http.direct_write import Fallback, direct_write
+from shared.http.server_internals import init_streaming_response
 from shared.service import Service
 from shared.settings import Settings
 
@@ -92,12 +93,10 @@ class EventStreamResponse(StreamingResponse):
         direct_write_fallback: Fallback | None = None,
     ) -> None:
         # Not StreamingResponse's own: the body may only be opened in __call__, where the
-        # server's send is known. The rest of what it sets, set here.
+        # server's send is known. The rest of what it sets, set there.
         self._events = events
         self._fallback = direct_write_fallback  # None: opened without a direct write
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
+        init_streaming_response(self, headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body_send: Send = scope.get(SERVER_SEND_KEY, send)
@@ -108,7 +107,7 @@ class EventStreamResponse(StreamingResponse):
         else:
             self.body_iterator = events
         streamer = asyncio.create_task(self._stream_quietly(send, body_send))
-        listener = asyncio.create_task(self.listen_for_disconnect(receive))
+        listener = asyncio.create_task(_until_disconnect(receive))
         try:
             await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -132,6 +131,12 @@ class EventStreamResponse(StreamingResponse):
         async for chunk in self.body_iterator:
             await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
         await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Return when the server says the client has gone (ASGI's `http.disconnect`)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _close(iterator: Any) -> None:
