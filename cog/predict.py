@@ -35,9 +35,9 @@ from pathlib import Path
 
 # coglet loads this file by path (cog.predictor.load_predictor_from_ref: spec_from_file_location),
 # which puts neither this folder nor the repository root on sys.path; and this folder cannot be a
-# package, since `import cog` is the Cog SDK. So the Cog-side modules beside this file
-# (cog_bridge, child_output, cog_schema) are top-level modules found through this folder, and
-# the root comes first so that `shared` is this checkout's, not another installed copy.
+# package, since `import cog` is the Cog SDK. So the Cog-side modules beside this file (cog_bridge,
+# cog_inputs, cog_cancel, child_output, cog_schema) are top-level modules found through this
+# folder, and the root comes first so that `shared` is this checkout's, not another installed copy.
 for _folder in (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
@@ -49,6 +49,7 @@ from collections.abc import Iterator
 import child_output
 import cog_bridge as bridge
 import cog_cancel
+import cog_inputs as inputs
 import coglet
 
 import cog
@@ -103,43 +104,43 @@ class Runner(BaseRunner):
         # refuse a system role (every prediction would fail).
         system_prompt: str = Input(default="", description="System message; empty for none."),
         max_tokens: int = Input(
-            default=bridge.DEFAULT_MAX_TOKENS,
+            default=inputs.DEFAULT_MAX_TOKENS,
             ge=1,
-            le=bridge.MAX_TOKENS_LIMIT,
+            le=inputs.MAX_TOKENS_LIMIT,
             description="Most tokens to generate. Left at the default, it shrinks to what the "
             "context leaves after a long prompt.",
         ),
         min_tokens: int = Input(
             default=0,
             ge=0,
-            le=bridge.MAX_TOKENS_LIMIT,
+            le=inputs.MAX_TOKENS_LIMIT,
             description="Fewest tokens to generate: the end of text and stop sequences are "
             "ignored before that.",
         ),
         temperature: float = Input(
-            default=bridge.DEFAULT_TEMPERATURE,
-            ge=bridge.TEMPERATURE_RANGE[0],
-            le=bridge.TEMPERATURE_RANGE[1],
+            default=inputs.DEFAULT_TEMPERATURE,
+            ge=inputs.TEMPERATURE_RANGE[0],
+            le=inputs.TEMPERATURE_RANGE[1],
             description="0 is greedy.",
         ),
         top_p: float = Input(
-            default=bridge.DEFAULT_TOP_P,
-            ge=bridge.TOP_P_MIN,
+            default=inputs.DEFAULT_TOP_P,
+            ge=inputs.TOP_P_MIN,
             le=1.0,
             description="Nucleus sampling mass, above 0.",
         ),
         top_k: int = Input(
-            default=bridge.DEFAULT_TOP_K,
+            default=inputs.DEFAULT_TOP_K,
             ge=0,
-            le=bridge.TOP_K_MAX,
+            le=inputs.TOP_K_MAX,
             description="Most likely tokens kept; 0 disables.",
         ),
-        presence_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
-        frequency_penalty: float = Input(default=0.0, ge=bridge.PENALTY_RANGE[0], le=bridge.PENALTY_RANGE[1]),
+        presence_penalty: float = Input(default=0.0, ge=inputs.PENALTY_RANGE[0], le=inputs.PENALTY_RANGE[1]),
+        frequency_penalty: float = Input(default=0.0, ge=inputs.PENALTY_RANGE[0], le=inputs.PENALTY_RANGE[1]),
         stop_sequences: str = Input(
             default="",
             description="Strings that end the generation (up to "
-            f"{bridge.MAX_STOP_SEQUENCES}), whitespace kept: comma-separated, or a JSON list of "
+            f"{inputs.MAX_STOP_SEQUENCES}), whitespace kept: comma-separated, or a JSON list of "
             'strings such as ["\\n", " User:"] when a stop holds a comma.',
         ),
         prompt_template: str = Input(
@@ -148,7 +149,7 @@ class Runner(BaseRunner):
             "as it is; empty to use the model's own chat template.",
         ),
         seed: int | None = Input(
-            default=None, ge=0, le=bridge.SEED_MAX, description="Omit for random sampling."
+            default=None, ge=0, le=inputs.SEED_MAX, description="Omit for random sampling."
         ),
         json_schema: str = Input(
             default="",
@@ -162,7 +163,7 @@ class Runner(BaseRunner):
         ),
         request_id: str = Input(
             default="",
-            max_length=bridge.REQUEST_ID_MAX_LENGTH,
+            max_length=inputs.REQUEST_ID_MAX_LENGTH,
             description="Idempotency key: a repeat with the same inputs follows the same "
             "generation instead of starting another.",
         ),
@@ -177,7 +178,7 @@ class Runner(BaseRunner):
         scope = self.scope  # this prediction's; the generator below ends in coglet's slot thread
         for key, value in bridge.engine_metrics(self.service).items():
             scope.record_metric(key, value)
-        body = bridge.request_from_inputs(
+        body = inputs.request_from_inputs(
             self.service.settings,
             prompt=prompt,
             system_prompt=system_prompt,

@@ -32,6 +32,7 @@ from typing import Any
 
 import cog_bridge as bridge
 import cog_cancel
+import cog_inputs
 import httpx
 import pytest
 import yaml
@@ -128,7 +129,7 @@ def test_cog_yaml_pins_and_matches_runner() -> None:
 
 def test_inputs_become_a_chat_request() -> None:
     settings = Settings()
-    body = bridge.chat_request_from_inputs(
+    body = cog_inputs.chat_request_from_inputs(
         settings,
         prompt="hi",
         system_prompt="be brief",
@@ -148,9 +149,9 @@ def test_inputs_become_a_chat_request() -> None:
         3,
         False,
     )
-    assert bridge.split_stop_sequences(["a", " b "]) == ["a", " b "]
+    assert cog_inputs.split_stop_sequences(["a", " b "]) == ["a", " b "]
     with pytest.raises(InvalidRequest, match="stop_sequences takes up to 4"):
-        bridge.chat_request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
+        cog_inputs.chat_request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
 
 
 def test_weights_choose_the_model() -> None:
@@ -188,7 +189,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_item_and_a_late_one_its_backl
 
     async def start() -> Any:
         service = Service(Settings(), engine)
-        body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
+        body = cog_inputs.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
         subscription = await bridge.start_generation(service, body, None)
         while not engine.running:  # the generation reached the engine
             await asyncio.sleep(0)
@@ -315,7 +316,7 @@ def scripted_service() -> Iterator[
 
 
 def _body(service: Service) -> Any:
-    return bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
+    return cog_inputs.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=8)
 
 
 def test_a_generation_opened_before_the_cancel_is_aborted_by_its_signal() -> None:
@@ -635,7 +636,7 @@ def test_dead_engine_is_unhealthy_and_fails_predictions(cog_server: CogServer) -
 async def _two_readers_of_one_generation(engine: ScriptedEngine, request_id: str) -> tuple[Any, Any]:
     """Two predictions with one request_id on the scripted engine, once it runs the one generation."""
     service = Service(Settings(), engine)
-    body = bridge.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
+    body = cog_inputs.chat_request_from_inputs(service.settings, prompt="a b c", max_tokens=4)
     first = await bridge.start_generation(service, body, request_id)
     second = await bridge.start_generation(service, body, request_id)
     while not engine.running:
@@ -710,7 +711,7 @@ def test_cancelling_one_of_two_predictions_with_one_request_id_leaves_the_other_
 
         async def start_one() -> Any:
             service = Service(Settings(), engine)
-            body = bridge.chat_request_from_inputs(service.settings, prompt="a b", max_tokens=4)
+            body = cog_inputs.chat_request_from_inputs(service.settings, prompt="a b", max_tokens=4)
             return await bridge.start_generation(service, body, "alone")
 
         alone, its_signal = on_loop(start_one()), bridge.CancelSignal()

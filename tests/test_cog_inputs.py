@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import cog_bridge as bridge
+import cog_inputs
 import httpx
 import pytest
 
@@ -34,7 +35,7 @@ MAX_MODEL_LEN = 1024  # small, so a prompt that leaves less than the default 512
 
 # --- the bridge, no server ----------------------------------------------------------------------
 def test_stop_sequences_keep_whitespace_and_take_a_json_list() -> None:
-    split = bridge.split_stop_sequences
+    split = cog_inputs.split_stop_sequences
     assert split("\n") == ["\n"]
     assert split(" User:") == [" User:"]
     assert split("END, STOP") == ["END", " STOP"]
@@ -46,7 +47,7 @@ def test_stop_sequences_keep_whitespace_and_take_a_json_list() -> None:
 
 def test_prompt_template_is_a_raw_completion_prompt() -> None:
     settings = Settings()
-    body = bridge.request_from_inputs(
+    body = cog_inputs.request_from_inputs(
         settings,
         prompt="hi",
         system_prompt="be brief",
@@ -54,16 +55,16 @@ def test_prompt_template_is_a_raw_completion_prompt() -> None:
     )
     assert isinstance(body, CompletionRequest)
     assert body.prompt == '<s>be brief [INST] hi [/INST] {"json": 1}'  # other braces stay
-    assert isinstance(bridge.request_from_inputs(settings, prompt="hi"), ChatCompletionRequest)
+    assert isinstance(cog_inputs.request_from_inputs(settings, prompt="hi"), ChatCompletionRequest)
     with pytest.raises(InvalidRequest, match=r"prompt_template must contain \{prompt\}") as caught:
-        bridge.request_from_inputs(settings, prompt="hi", prompt_template="no field")
+        cog_inputs.request_from_inputs(settings, prompt="hi", prompt_template="no field")
     assert caught.value.param == "prompt_template"
     with pytest.raises(InvalidRequest, match="leave prompt_template empty"):
-        bridge.request_from_inputs(settings, prompt="hi", prompt_template="{prompt}", json_schema="{}")
+        cog_inputs.request_from_inputs(settings, prompt="hi", prompt_template="{prompt}", json_schema="{}")
 
 
 def test_defaults_are_replicates_and_max_tokens_left_at_default_is_unset() -> None:
-    body = bridge.request_from_inputs(Settings(), prompt="hi")
+    body = cog_inputs.request_from_inputs(Settings(), prompt="hi")
     assert (body.max_tokens, body.min_tokens, body.temperature, body.top_p, body.top_k) == (
         None,  # the core fills it in: min(default, what the context leaves)
         0,
@@ -71,21 +72,22 @@ def test_defaults_are_replicates_and_max_tokens_left_at_default_is_unset() -> No
         0.9,
         50,
     )
-    assert bridge.request_from_inputs(Settings(), prompt="hi", max_tokens=600, min_tokens=3).max_tokens == 600
-    assert bridge.runner_settings(None, Settings()).default_max_tokens == bridge.DEFAULT_MAX_TOKENS == 512
+    explicit = cog_inputs.request_from_inputs(Settings(), prompt="hi", max_tokens=600, min_tokens=3)
+    assert explicit.max_tokens == 600
+    assert bridge.runner_settings(None, Settings()).default_max_tokens == cog_inputs.DEFAULT_MAX_TOKENS == 512
     assert bridge.runner_settings(None, Settings(max_tokens_limit=100)).default_max_tokens == 100
 
 
 def test_errors_name_the_cog_input() -> None:
     settings = Settings()
     with pytest.raises(InvalidRequest) as too_long:
-        bridge.request_from_inputs(settings, prompt="hi", stop_sequences="x" * 300)
+        cog_inputs.request_from_inputs(settings, prompt="hi", stop_sequences="x" * 300)
     assert too_long.value.param == "stop_sequences" and too_long.value.message.startswith("stop_sequences:")
     with pytest.raises(InvalidRequest) as too_many:
-        bridge.request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
+        cog_inputs.request_from_inputs(settings, prompt="hi", stop_sequences="a,b,c,d,e")
     assert "stop_sequences takes up to 4" in too_many.value.message and "stop:" not in too_many.value.message
     with pytest.raises(InvalidRequest) as schema:
-        bridge.request_from_inputs(settings, prompt="hi", json_schema="[1]")
+        cog_inputs.request_from_inputs(settings, prompt="hi", json_schema="[1]")
     assert schema.value.param == "json_schema" and "response_format" not in schema.value.message
 
 
@@ -95,8 +97,8 @@ def test_a_request_id_conflict_names_request_id_and_a_dead_engine_says_already()
 
     async def go() -> tuple[IdempotencyConflict, EngineUnavailable]:
         service = Service(Settings(), engine)
-        first = bridge.request_from_inputs(service.settings, prompt="a b", max_tokens=2)
-        other = bridge.request_from_inputs(service.settings, prompt="c d", max_tokens=2)
+        first = cog_inputs.request_from_inputs(service.settings, prompt="a b", max_tokens=2)
+        other = cog_inputs.request_from_inputs(service.settings, prompt="c d", max_tokens=2)
         (await bridge.start_generation(service, first, "same")).close()
         with pytest.raises(IdempotencyConflict) as conflict:
             await bridge.start_generation(service, other, "same")
@@ -118,7 +120,7 @@ def test_token_counts_come_from_the_generation() -> None:
 
     async def go() -> list[str]:
         service = Service(Settings(), engine)
-        body = bridge.request_from_inputs(service.settings, prompt="one two three", max_tokens=5)
+        body = cog_inputs.request_from_inputs(service.settings, prompt="one two three", max_tokens=5)
         subscription = await bridge.start_generation(service, body, None)
         pieces = [piece async for piece in subscription.text()]
         bridge.record_token_counts(subscription, recorded.__setitem__)

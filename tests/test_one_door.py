@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import cog_bridge as bridge
+import cog_inputs
 import httpx
 import pytest
 
@@ -76,7 +77,7 @@ def cog_body(service: Service, held: Hold, seed: int) -> ChatCompletionRequest:
     """The request a prediction stands for, held by `held`: sampled (Cog's defaults: top_k 50,
     top_p 0.9), so a second generation would almost surely write another text."""
     prompt = held.prompt("one door")
-    return bridge.chat_request_from_inputs(
+    return cog_inputs.chat_request_from_inputs(
         service.settings, prompt=prompt, max_tokens=TOKENS, min_tokens=TOKENS, seed=seed
     )
 

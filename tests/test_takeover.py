@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import cog_bridge as bridge
+import cog_inputs
 import httpx
 import openai
 import orjson
@@ -417,7 +418,7 @@ N2 = story(n=2, temperature=1.0, seed=1)  # vLLM draws n > 1 only by sampling
 
 
 def cog_body(cluster: Cluster) -> Any:
-    return bridge.request_from_inputs(
+    return cog_inputs.request_from_inputs(
         cluster.c.settings, prompt=PROMPT, max_tokens=TOKENS, temperature=0.0, top_k=0, top_p=1.0
     )
 
