@@ -38,17 +38,22 @@ from shared.streaming import Kind
 log = logging.getLogger(__name__)
 
 
+# Loggers whose INFO lines belong in the setup log: the core's, and the check of coglet's internals.
+SETUP_LOGGERS = ("shared", "coglet_internals")
+
+
 def send_core_logs_to_stderr(level: str | None = None) -> None:
     """Let the core's own log lines (the weights download's progress, above all) reach the
     setup log: coglet forwards what its worker writes to stderr, but nothing in the worker
     configures Python's logging, so INFO lines would be dropped. Idempotent."""
-    logger = logging.getLogger("shared")
-    if not any(getattr(handler, "bundle_cog", False) for handler in logger.handlers):
-        handler = logging.StreamHandler()  # stderr
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.bundle_cog = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-    logger.setLevel((level or Settings().log_level).upper())
+    for name in SETUP_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(getattr(handler, "bundle_cog", False) for handler in logger.handlers):
+            handler = logging.StreamHandler()  # stderr
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            handler.bundle_cog = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+        logger.setLevel((level or Settings().log_level).upper())
 
 
 def runner_settings(weights: Path | str | None, base: Settings | None = None) -> Settings:

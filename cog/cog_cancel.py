@@ -1,4 +1,5 @@
-"""Coglet's cancel -> this prediction's engine request, whenever the cancel comes.
+"""Coglet's cancel -> this prediction's engine request, whenever the cancel comes: a hook on
+coglet's submission of run() that hands it a future whose cancel aborts what run() opened.
 
 How coglet 0.23.1 delivers `POST /predictions/{id}/cancel` to an async `run()` (its worker's
 source, crates/coglet-python/src/worker_bridge.rs, checked against its trace log): the
@@ -32,7 +33,8 @@ the module at call time) and hands coglet a `CogletRun` for each run():
 
 FRAGILE by nature: it depends on coglet internals (the function it calls, the name of its
 wrapper coroutine, that it only calls `result()` and `cancel()` on what it gets, measured on
-0.23.1). A broken assumption is logged as a warning (`current_cancel_signal`); the effect is
+0.23.1), read through cog/coglet_internals.py and checked there at start. A broken assumption is
+logged as a warning (there, and at the first run() in `current_cancel_signal`); the effect is
 then that a cancelled prediction's engine request runs to its end. Remove this when coglet
 propagates cancellation to generators and keeps a cancel that arrives early.
 """
@@ -49,9 +51,9 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-log = logging.getLogger(__name__)
+import coglet_internals
 
-COGLET_RUN_WRAPPER = "_ctx_wrapper"  # coglet 0.23.1's coroutine around run(), submitted per prediction
+log = logging.getLogger(__name__)
 
 
 class CancelSignal:
@@ -111,7 +113,7 @@ def install_coglet_cancel_hook() -> bool:
 def submit_with_cancel_signal(
     coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop
 ) -> concurrent.futures.Future[Any]:
-    if getattr(getattr(coro, "cr_code", None), "co_name", None) != COGLET_RUN_WRAPPER:
+    if not coglet_internals.is_run(coro):
         return plain_submit(coro, loop)  # not coglet submitting a run(): untouched
     signal = CancelSignal()
     context = contextvars.copy_context()
@@ -128,7 +130,7 @@ def current_cancel_signal(*, under_coglet: bool) -> CancelSignal | None:
             "coglet did not submit run() through asyncio.run_coroutine_threadsafe(%s(...)) as "
             "coglet 0.23.1 does (hook installed: %s); POST /predictions/{id}/cancel will not "
             "abort the engine request, which then runs to its end",
-            COGLET_RUN_WRAPPER,
+            coglet_internals.RUN_WRAPPER,
             _hook_state["installed"],
         )
     return signal
@@ -208,12 +210,8 @@ class CogletRun(concurrent.futures.Future[Any]):
 
 def _close_unstarted(unstarted: list[Coroutine[Any, Any, Any]]) -> None:
     for wrapper in unstarted:
-        frame = getattr(wrapper, "cr_frame", None)
-        inner = frame.f_locals.get("coro") if frame is not None else None  # run()'s own coroutine
+        inner = coglet_internals.wrapped_run(wrapper)  # read before the wrapper's frame goes
         for coro in (wrapper, inner):
-            with contextlib.suppress(Exception):
-                getattr(coro, "close", _nothing)()
-
-
-def _nothing() -> None:
-    return None
+            if coro is not None:
+                with contextlib.suppress(Exception):
+                    coro.close()

@@ -36,8 +36,9 @@ from pathlib import Path
 # coglet loads this file by path (cog.predictor.load_predictor_from_ref: spec_from_file_location),
 # which puts neither this folder nor the repository root on sys.path; and this folder cannot be a
 # package, since `import cog` is the Cog SDK. So the Cog-side modules beside this file (cog_bridge,
-# cog_inputs, cog_cancel, child_output, cog_schema) are top-level modules found through this
-# folder, and the root comes first so that `shared` is this checkout's, not another installed copy.
+# cog_inputs, cog_cancel, coglet_internals, child_output, cog_schema) are top-level modules found
+# through this folder, and the root comes first so that `shared` is this checkout's, not another
+# installed copy.
 for _folder in (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
@@ -51,13 +52,14 @@ import cog_bridge as bridge
 import cog_cancel
 import cog_inputs as inputs
 import coglet
+import coglet_internals
 
 import cog
 from cog import BaseRunner, CancelationException, ConcatenateIterator, Input
 from shared.assembly import prepare_start, start_service
 from shared.cache.layout import with_default_root
 
-cog_cancel.install_coglet_cancel_hook()  # before coglet submits the first run()
+CANCEL_HOOK_INSTALLED = cog_cancel.install_coglet_cancel_hook()  # before coglet submits the first run()
 # Before setup() forks vLLM's engine core: the child gets plain stdout/stderr that reach coglet's
 # log (coglet's own stream objects die with fork; why in cog/child_output.py).
 child_output.give_forked_children_plain_streams(under_coglet=coglet.server.active)
@@ -74,6 +76,10 @@ class Runner(BaseRunner):
         # The caches always live in one root under the cache dir, so that this container's
         # start can be packed and shipped to the next (docs/cog.md, "Cold boot").
         bridge.send_core_logs_to_stderr()  # the download's progress reaches the setup log
+        # What cancels rely on of coglet's internals, checked against this coglet: one line, and
+        # the service's metrics (`bundle_server_features`).
+        internals = await asyncio.to_thread(coglet_internals.detect, hook_installed=CANCEL_HOOK_INSTALLED)
+        coglet_internals.report(internals)
         base = with_default_root(bridge.runner_settings(None))
         settings = await prepare_start(base, str(weights) if weights else None)
         self._stack = contextlib.AsyncExitStack()

@@ -47,6 +47,7 @@ for _import_root in (_ROOT / "cog", _ROOT):  # what cog/predict.py does for itse
 
 import cog_bridge  # noqa: E402
 import cog_cancel  # noqa: E402
+import coglet_internals  # noqa: E402
 import predict  # noqa: E402  (installs the runner's cancel hook)
 
 from shared.engine.vllm_startup import open_engine  # noqa: E402
@@ -100,11 +101,7 @@ def _submit(coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -> 
 
 
 def _prediction_of(coro: Coroutine[Any, Any, Any]) -> str | None:
-    if getattr(getattr(coro, "cr_code", None), "co_name", None) != cog_cancel.COGLET_RUN_WRAPPER:
-        return None
-    frame = getattr(coro, "cr_frame", None)
-    value = frame.f_locals.get("prediction_id") if frame is not None else None
-    return str(value) if value else None
+    return coglet_internals.prediction_id(coro) if coglet_internals.is_run(coro) else None
 
 
 def _wait_for_injection(prediction: str) -> None:
