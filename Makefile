@@ -39,7 +39,7 @@ serve: $(STAMP)
 # i.e. the scripted-engine units, the HTTP layer's hostile-input tests (the ones needing the real
 # engine skip under BUNDLE_TESTS_WITHOUT_ENGINE) and the cost model, less those marked `slow`.
 # New tests in these files join it unless marked `slow`.
-CHECK_TESTS ?= tests/test_layout.py tests/test_bundle_client.py tests/test_core_units.py tests/test_direct_write.py tests/test_hostile.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
+CHECK_TESTS ?= tests/test_layout.py tests/test_bundle_client.py tests/test_core_units.py tests/test_direct_write.py tests/test_hostile.py tests/test_server_internals.py tests/test_coglet_internals.py tests/test_settings.py $(wildcard tests/test_cost_model*.py)
 check: $(STAMP)
 	$(PY) -m ruff check shared bundle_client modal_app cost_model cog bench tests
 	$(PY) -m mypy cost_model shared cog modal_app bench bundle_client tests/scripted.py tests/fakes.py
@@ -47,7 +47,7 @@ check: $(STAMP)
 
 test: $(STAMP) $(STAMP312)
 	$(PY) -m pytest
-	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(VENV312)/bin/python -m pytest tests/test_hostile.py tests/test_core_units.py tests/test_direct_write.py
+	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(VENV312)/bin/python -m pytest tests/test_hostile.py tests/test_core_units.py tests/test_direct_write.py tests/test_server_internals.py
 
 $(STAMP312): pyproject.toml Makefile
 	@test -n "$(PYTHON312)" || { echo 'no Python 3.12 found (set PYTHON312=/path/to/python3.12)'; exit 2; }

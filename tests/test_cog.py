@@ -428,6 +428,15 @@ def test_coglet_stays_up_and_unhealthy_when_its_worker_exits(tmp_path: Path) -> 
     assert process.returncode == 0, log_path.read_text()[-2000:]
 
 
+def test_setup_reports_what_cancels_rely_on_of_coglet_in_one_line(cog_server: CogServer) -> None:
+    """setup() checks coglet's internals (cog/coglet_internals.py) and says so in the setup log;
+    the pinned coglet takes no fallback (tests/test_coglet_internals.py)."""
+    lines = cog_server.log_path.read_text(errors="replace").splitlines()
+    reported = [line for line in lines if "coglet internals:" in line]
+    assert len(reported) == 1, reported
+    assert "coglet.run_wrapper=_ctx_wrapper" in reported[0] and "fallback" not in reported[0]
+
+
 def test_setup_warms_up_the_sampler_before_ready(cog_server: CogServer) -> None:
     """setup() runs the core's warm-up, sampled waves included, before coglet says READY: on the
     H200 the first 32-prediction wave otherwise waited ~7 s for vLLM's top-k/top-p Triton
