@@ -13,13 +13,13 @@ orchestrator sends the worker `Cancel{slot}`, and the worker acts on what it kno
    run(), submitting it): `CancelationException` is injected into the slot thread
    (`PyThreadState_SetAsyncExc`) and raised in whatever Python that thread runs next; the
    "cancelled" flag coglet sets is overwritten once it stores the future. Raised after the
-   submission, it used to leave run() running with nobody to read or stop what it started.
+   submission, by itself it leaves run() running with nobody to read or stop what it started.
    Coglet may also lose it: logged as injected, it is never raised when it lands while the slot
    thread is in coglet's own code between two calls into Python (measured; docs/cog.md).
 3. Holding the future that `asyncio.run_coroutine_threadsafe` returned: `future.cancel()`. If
    run() is at an await, its task is cancelled there; if run() has returned its generator (or
    returns it before the loop turns to the cancel), the future is done, the cancel does nothing
-   and the generator used to run to its end, read or not (coglet never tells a generator).
+   and by itself the generator runs to its end, read or not (coglet never tells a generator).
 
 So `install_coglet_cancel_hook` wraps `asyncio.run_coroutine_threadsafe` (coglet looks it up on
 the module at call time) and hands coglet a `CogletRun` for each run():
