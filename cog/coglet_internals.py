@@ -13,8 +13,8 @@ What is used (cog/cog_cancel.py says why):
 shared/engine/vllm_features.py checks vLLM: the wrapper exists before the first prediction only
 as source text in the extension, so that is where it is looked for. A coglet without it is a
 `fallback`: no submission is taken for a run, and a cancel then leaves the engine request to
-run to its end (cog_cancel warns again at the first prediction). Logged in one line and set in
-`bundle_server_features` (shared/obs/internals_check.py).
+run to its end (cog_cancel warns again at the first prediction). Logged in one line and shown
+in the service's metrics as `bundle_server_features` (shared/obs/internals_check.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from shared.obs.internals_check import Found, InternalsCheck, report_check
+from shared.obs.internals_check import Found, InternalsCheck, log_check
 
 log = logging.getLogger(__name__)
 
@@ -90,5 +90,5 @@ def detect(*, hook_installed: bool) -> InternalsCheck:
     return InternalsCheck((f"coglet {metadata.version('coglet')}",), found)
 
 
-def report(check: InternalsCheck) -> None:
-    report_check(log, "coglet internals", check)
+def log_found(check: InternalsCheck) -> None:
+    log_check(log, "coglet internals", check)

@@ -79,7 +79,7 @@ class Runner(BaseRunner):
         # What cancels rely on of coglet's internals, checked against this coglet: one line, and
         # the service's metrics (`bundle_server_features`).
         internals = await asyncio.to_thread(coglet_internals.detect, hook_installed=CANCEL_HOOK_INSTALLED)
-        coglet_internals.report(internals)
+        coglet_internals.log_found(internals)
         base = with_default_root(bridge.runner_settings(None))
         settings = await prepare_start(base, str(weights) if weights else None)
         self._stack = contextlib.AsyncExitStack()
@@ -88,6 +88,7 @@ class Runner(BaseRunner):
         # READY: on the H200 the first 32-prediction wave waited ~7 s for vLLM's top-k/top-p
         # Triton kernel without it, which Cog's default inputs need (docs/cog.md).
         self.service = await self._stack.enter_async_context(start_service(settings))
+        self.service.metrics.show_server_features(internals.found)
         self.loop = asyncio.get_running_loop()
 
     def healthcheck(self) -> bool:

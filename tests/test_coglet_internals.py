@@ -23,8 +23,7 @@ coglet = pytest.importorskip("coglet")  # the Python 3.12 run installs no Cog
 import cog_cancel  # noqa: E402
 import coglet_internals  # noqa: E402
 
-from shared.obs import internals_check  # noqa: E402
-from shared.obs.internals_check import Found, InternalsCheck  # noqa: E402
+from shared.obs.internals_check import InternalsCheck  # noqa: E402
 from shared.obs.metrics import Metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,20 +71,19 @@ def test_the_pinned_coglet_takes_no_fallback_path() -> None:
     assert check.releases == (f"coglet {coglet.__version__}",)
 
 
-def test_the_check_is_one_line_and_a_series_per_use(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(internals_check, "_reported", {})
+def test_the_check_is_one_line_and_a_series_per_use(caplog: pytest.LogCaptureFixture) -> None:
     check = coglet_internals.detect(hook_installed=True)
     with caplog.at_level(logging.INFO, logger="coglet_internals"):
-        coglet_internals.report(check)
+        coglet_internals.log_found(check)
     (record,) = caplog.records
     assert record.levelno == logging.INFO
     assert record.getMessage() == (
         f"coglet internals: coglet {coglet.__version__}: coglet.run_submit=run_coroutine_threadsafe, "
         "coglet.run_wrapper=_ctx_wrapper, coglet.cancel_hook=installed"
     )
-    text = Metrics().exposition().decode()
+    metrics = Metrics()
+    metrics.show_server_features(check.found)
+    text = metrics.exposition().decode()
     assert 'bundle_server_features{component="coglet",feature="run_wrapper",path="_ctx_wrapper"} 1.0' in text
     assert text.count("bundle_server_features{") == len(FEATURES)
 
@@ -123,12 +121,9 @@ def test_each_check_reports_a_fallback_when_its_member_is_missing(renamed_wrappe
     assert {f.feature for f in check.fallbacks()} == {"run_wrapper", "cancel_hook"}
 
 
-def test_a_fallback_is_a_warning_naming_it(
-    renamed_wrapper: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(internals_check, "_reported", {})
+def test_a_fallback_is_a_warning_naming_it(renamed_wrapper: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="coglet_internals"):
-        coglet_internals.report(coglet_internals.detect(hook_installed=True))
+        coglet_internals.log_found(coglet_internals.detect(hook_installed=True))
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert "(fallbacks: coglet.run_wrapper)" in record.getMessage()
@@ -143,15 +138,3 @@ def test_a_wrapper_of_another_name_is_submitted_untouched(loop: asyncio.Abstract
     taken = cog_cancel.submit_with_cancel_signal(_ctx_wrapper(_run(), "prediction-3"), loop)
     assert isinstance(taken, cog_cancel.CogletRun)
     assert taken.result(10) == "the generator"
-
-
-def test_reported_uses_are_kept_per_component_and_feature(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A later check of the same use replaces the earlier one; other components stay."""
-    monkeypatch.setattr(internals_check, "_reported", {})
-    log = logging.getLogger("test")
-    first = InternalsCheck(("coglet 1",), (Found("coglet", "run_wrapper", "unknown", "fallback"),))
-    again = InternalsCheck(("coglet 1",), (Found("coglet", "run_wrapper", "_ctx_wrapper", "expected"),))
-    other = InternalsCheck(("uvicorn 1",), (Found("uvicorn", "direct_write", "httptools_cycle", "expected"),))
-    for check in (first, other, again):
-        internals_check.report_check(log, "test", check)
-    assert set(internals_check.reported()) == {again.found[0], other.found[0]}

@@ -36,8 +36,8 @@ from shared.http import server_internals
 from shared.http.api import create_app
 from shared.http.direct_write import direct_write
 from shared.http.limits import LingeringClose, lingering_h11_protocol, uvicorn_options
+from shared.http.process import DrainingServer, run_server
 from shared.http.requests import EventStreamResponse
-from shared.obs import internals_check
 from shared.obs.internals_check import Found, InternalsCheck
 from shared.obs.metrics import Metrics
 from shared.obs.process_metrics import add_up
@@ -84,14 +84,6 @@ def path_of(check: InternalsCheck, feature: str) -> tuple[str, str]:
     return found.path, found.kind
 
 
-@pytest.fixture
-def reported(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], Found]:
-    """This process's record of reported checks, empty for the test (and restored after it)."""
-    fresh: dict[tuple[str, str], Found] = {}
-    monkeypatch.setattr(internals_check, "_reported", fresh)
-    return fresh
-
-
 # --- the pinned releases ------------------------------------------------------------------------------
 def test_the_installed_releases_take_no_fallback_path() -> None:
     check = server_internals.detect()
@@ -109,42 +101,64 @@ def test_pyproject_allows_the_uvicorn_this_run_tests() -> None:
     assert Requirement(text).specifier.contains(uvicorn.__version__), (text, uvicorn.__version__)
 
 
-def test_the_check_is_one_line_and_a_series_per_use(
-    reported: dict[tuple[str, str], Found], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_the_check_is_one_line_and_a_series_per_use(caplog: pytest.LogCaptureFixture) -> None:
     check = server_internals.detect()
-    assert "bundle_server_features" not in Metrics().exposition().decode()  # nothing reported yet
     with caplog.at_level(logging.INFO, logger="shared.http.server_internals"):
-        server_internals.report(check)
+        server_internals.log_found(check)
     (record,) = caplog.records
     assert record.levelno == logging.INFO
     assert record.getMessage().startswith(f"server internals: uvicorn {uvicorn.__version__}, starlette ")
     assert all(f"{f.component}.{f.feature}={f.path}" in record.getMessage() for f in check.found)
-    text = Metrics().exposition().decode()
+    metrics = Metrics()
+    metrics.show_server_features(check.found)
+    text = metrics.exposition().decode()
     for f in check.found:
         labels = f'component="{f.component}",feature="{f.feature}",path="{f.path}"'
         assert f"bundle_server_features{{{labels}}} 1.0" in text
     assert text.count("bundle_server_features{") == len(FEATURES)
 
 
-def test_several_api_processes_add_up_to_how_many_took_each_path(
-    reported: dict[tuple[str, str], Found],
-) -> None:
-    server_internals.report(server_internals.detect())
-    merged = add_up([list(Metrics().registry.collect()), list(Metrics().registry.collect())])
+def test_several_api_processes_add_up_to_how_many_took_each_path() -> None:
+    processes = [Metrics(), Metrics()]
+    for metrics in processes:
+        metrics.show_server_features(server_internals.found().found)
+    merged = add_up([list(metrics.registry.collect()) for metrics in processes])
     (family,) = [m for m in merged if m.name == "bundle_server_features"]
     assert len(family.samples) == len(FEATURES)
     assert {sample.value for sample in family.samples} == {2.0}
 
 
-def test_a_fallback_is_a_warning_naming_it(caplog: pytest.LogCaptureFixture, reported: dict) -> None:
+def test_a_fallback_is_a_warning_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     check = InternalsCheck(("uvicorn 9.9",), (Found("uvicorn", "direct_write", "send_only", "fallback"),))
     with caplog.at_level(logging.INFO, logger="shared.http.server_internals"):
-        server_internals.report(check)
+        server_internals.log_found(check)
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     assert "(fallbacks: uvicorn.direct_write)" in record.getMessage()
     assert "uvicorn.direct_write=send_only (fallback)" in record.getMessage()
+
+
+def test_the_server_process_hands_its_check_to_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
+    apps: list[Any] = []
+    monkeypatch.setattr(DrainingServer, "run", lambda server, sockets=None: apps.append(server.config.app))
+    assert run_server(Settings(), lambda request_exit: create_app(Settings())) == 0
+    assert apps[0].state.server_internals == server_internals.found()
+
+
+async def _features_on_metrics(internals: InternalsCheck | None) -> list[str]:
+    app = create_app(Settings(), engine=ScriptedEngine(auto=True))
+    app.state.server_internals = internals  # as run_server sets it; None: another server runs it
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bundle") as client:
+            text = (await client.get("/metrics")).text
+    return [line for line in text.splitlines() if line.startswith("bundle_server_features{")]
+
+
+async def test_the_apps_metrics_show_the_check_it_was_handed() -> None:
+    check = server_internals.found()
+    assert len(await _features_on_metrics(check)) == len(FEATURES)
+    assert await _features_on_metrics(None) == []
 
 
 @pytest.mark.skipif(bool(os.environ.get(WITHOUT_ENGINE)), reason="a real start needs the engine")

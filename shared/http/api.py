@@ -83,6 +83,8 @@ def create_app(
         )
         async with assembled as service:
             app.state.service = service
+            if app.state.server_internals is not None:
+                service.metrics.show_server_features(app.state.server_internals.found)
             app.state.responses = Responses(service)
             try:
                 yield
@@ -92,6 +94,10 @@ def create_app(
     app = BundleApp(title="vllm-serverless-bundle", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.server_state = server_state
+    # What uvicorn and Starlette offer of their internals, as the bundle's own server process
+    # checked it (shared/http/process.py); None where another server runs the app (Modal's, a
+    # test's): that check would not describe what serves it.
+    app.state.server_internals = None
     _install_error_handlers(app)
     _add_routes(app, settings)
     if settings.api_key is not None:

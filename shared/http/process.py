@@ -54,8 +54,9 @@ def run_server(
     # Checked before anything is built on them: the protocols below and every stream's direct
     # write follow what it found. One line, and the app's /metrics (`bundle_server_features`).
     internals = server_internals.found()
-    server_internals.report(internals)
+    server_internals.log_found(internals)
     app = make_app(request_exit) if make_app else create_app(settings, request_exit=request_exit)
+    app.state.server_internals = internals
     config = uvicorn.Config(
         app,
         host=settings.host,

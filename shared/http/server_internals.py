@@ -19,7 +19,8 @@ What is used, and by whom:
 `detect()` finds the path of each use on the installed releases, as shared/engine/vllm_features.py
 does for vLLM: `expected` where the pinned release has what it reads (tests/test_server_internals.py
 fails otherwise), `fallback` where it is missing and the bundle does without it. `found()` is that
-check, made once; `run_server` reports it: one line, and `bundle_server_features` in /metrics.
+check, made once; `run_server` logs it in one line and hands it to the app, whose /metrics shows
+it (`bundle_server_features`).
 An instance's attributes cannot be seen on its class: a function's `co_names` lists every attribute
 name its code reads or sets, so "`__init__` sets `cycle`" is read there.
 """
@@ -40,7 +41,7 @@ from typing import Any, cast
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Scope, Send
 
-from shared.obs.internals_check import Found, InternalsCheck, report_check
+from shared.obs.internals_check import Found, InternalsCheck, log_check
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,8 @@ def found() -> InternalsCheck:
     return detect()
 
 
-def report(check: InternalsCheck) -> None:
-    report_check(log, "server internals", check)
+def log_found(check: InternalsCheck) -> None:
+    log_check(log, "server internals", check)
 
 
 # --- uvicorn's protocols ----------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Two checks fill it: uvicorn's and Starlette's (shared/http/server_internals.py) 
 (cog/coglet_internals.py). Each use of a private member is one `Found`: `expected` where the
 pinned release has the member, `platform` where the path differs by design (Python 3.11 has no
 eager tasks), `fallback` where the member is missing and the bundle takes its other path. The
-check is reported in one line (a warning naming the fallbacks, if any) and exported as
-`bundle_server_features{component,feature,path}` by every Metrics of the process (metrics.py).
+check is logged in one line (a warning naming the fallbacks, if any) and shown in the service's
+metrics as `bundle_server_features{component,feature,path}` (shared/obs/metrics.py).
 """
 
 from __future__ import annotations
@@ -48,24 +48,12 @@ class InternalsCheck:
         return f"{', '.join(self.releases)}: {paths}"
 
 
-# What this process's checks found, by component and feature: every Metrics made afterwards
-# shows it (they are facts of the process, its installed releases, not of one app).
-_reported: dict[tuple[str, str], Found] = {}
-
-
-def report_check(log: logging.Logger, title: str, check: InternalsCheck) -> None:
-    """Say at start what `check` found: one line, `<title>: <releases>: <component>.<feature>=<path>,
-    ...` (a warning naming the fallbacks, whose behaviour is then the other path's), and the
-    series of `bundle_server_features` in the metrics of this process's service."""
+def log_check(log: logging.Logger, title: str, check: InternalsCheck) -> None:
+    """One line at start: `<title>: <releases>: <component>.<feature>=<path>, ...`; a warning
+    naming the fallbacks when there are any (their behaviour is then the other path's)."""
     fallbacks = check.fallbacks()
     if fallbacks:
         names = ", ".join(f"{found.component}.{found.feature}" for found in fallbacks)
         log.warning("%s (fallbacks: %s): %s", title, names, check.log_line())
     else:
         log.info("%s: %s", title, check.log_line())
-    _reported.update({(found.component, found.feature): found for found in check.found})
-
-
-def reported() -> tuple[Found, ...]:
-    """Every use checked in this process so far (the latest check of each)."""
-    return tuple(_reported.values())

@@ -12,7 +12,7 @@ from prometheus_client.core import SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.obs.engine_outputs import OutputTimings
-from shared.obs.internals_check import Found, reported
+from shared.obs.internals_check import Found
 from shared.obs.loop_metrics import LoopCounter, LoopHistogram
 from shared.obs.process_metrics import ProcessBoard
 
@@ -119,8 +119,6 @@ class Metrics:
         self._add_store_metrics(r)
         self._add_takeover_metrics(r)
         self._add_model_metrics(r)
-        if reported():  # the server (or the Cog runner) checked its stack's internals at start
-            self.show_server_features(reported())
 
     def _add_takeover_metrics(self, r: CollectorRegistry) -> None:
         """Generations continued across replicas (BUNDLE_REDIS_URL, BUNDLE_TAKEOVER)."""
