@@ -93,7 +93,7 @@ class EventStreamResponse(StreamingResponse):
         direct_write_fallback: Fallback | None = None,
     ) -> None:
         # Not StreamingResponse's own: the body may only be opened in __call__, where the
-        # server's send is known. The rest of what it sets, set there.
+        # server's send is known. The rest of what it sets, set as it sets it (server_internals).
         self._events = events
         self._fallback = direct_write_fallback  # None: opened without a direct write
         init_streaming_response(self, headers)
