@@ -326,7 +326,7 @@ def bounded_httptools_protocol(
     return BoundedHttpToolsProtocol
 
 
-# Bodies up to this size are waited for before a request's task starts (see _start_asgi_task):
+# Bodies up to this size are waited for before a request's task starts (see request_ready):
 # one chat or completion request, a few packets at most.
 SMALL_BODY_BYTES = 256 * 1024
 
