@@ -162,15 +162,17 @@ async def _until_cancelled(prediction: str, *, ignore_task_cancel: bool) -> None
 cog_bridge.start_generation = _held_start(cog_bridge.start_generation)  # type: ignore[assignment]
 
 
-# --- the engine: a gate inside the service's guard, budgets and markers outside it --------------------
+# --- the engine: the gate and the budgets, both inside the service's guard --------------------
 @asynccontextmanager
 async def _gated_engine(settings: Settings) -> AsyncIterator[Any]:
-    """The real engine behind the test gate, as tests/gated_serve.py gives the HTTP server one: the
-    gate reaches vLLM itself (`llm`) to freeze it, which the service's GuardedEngine does not pass on."""
+    """The real engine behind the test gate, as tests/gated_serve.py gives the HTTP server one (the
+    gate reaches vLLM itself, `llm`, to freeze it), its outputs held within each prediction's
+    budget (`HeldEngine`); the service's GuardedEngine wraps the two, and every part of the
+    service that generates (new generations, takeovers) holds this one engine."""
     folder = _folder() / GATE_FOLDER
     folder.mkdir(exist_ok=True)
     async with open_engine(settings) as engine:
-        yield GatedEngine(engine, folder)
+        yield HeldEngine(GatedEngine(engine, folder))
 
 
 predict.start_service = functools.partial(predict.start_service, engine_factory=_gated_engine)  # type: ignore[assignment]
@@ -208,6 +210,5 @@ class Runner(predict.Runner):
     async def setup(self, weights: Path | str | None = None) -> None:
         if not os.environ.get(HOLD_DIR_VARIABLE):
             raise RuntimeError(f"{HOLD_DIR_VARIABLE} must name the folder of the test's hold files")
-        await super().setup(weights)  # the engine gated by `_gated_engine`
-        self.service.engine = HeldEngine(self.service.engine)  # type: ignore[assignment]
+        await super().setup(weights)  # the engine gated and held by `_gated_engine`
         self.service.open = _held_open(self.service.open)  # type: ignore[method-assign]
