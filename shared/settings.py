@@ -397,6 +397,68 @@ class ObservabilitySection(Section):
     )
 
 
+class TelemetrySection(Section):
+    """Telemetry that leaves the container (docs/observability.md): OTLP traces and metrics.
+
+    Only the switch is read here. Everything else about the export (protocol, headers, interval,
+    sampler, resource attributes) is one of the standard OTEL_* variables, which the OpenTelemetry
+    SDK reads itself; the platform's own variables name the container in the resource."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT",
+        description="The standard OTLP endpoint variable, read here only as the switch: set, traces "
+        "and metrics are pushed there (shared/obs/otlp.py); unset, nothing is imported or started.",
+    )
+    ttft_sla_s: float = Field(
+        0.5,
+        gt=0,
+        description="The time-to-first-token objective the P99 alert compares with, in seconds: "
+        "exported as the gauge bundle_ttft_sla_seconds, so the rules follow the deploy's value.",
+    )
+    scheduler_stats: bool = Field(
+        False,
+        description="vLLM's scheduler figures (KV-cache usage, its waiting and running queues) in "
+        "/metrics and OTLP. Turns vLLM's per-step stat collection on (what `--disable-log-stats` "
+        "turns off): a little CPU per token in the API process. One API process only.",
+    )
+    engine_traces: bool = Field(
+        False,
+        description="With an OTLP endpoint: vLLM's own `llm_request` span (queue, prefill, decode "
+        "times) in each request's trace, the client's traceparent passed on. Needs, and so turns "
+        "on, BUNDLE_SCHEDULER_STATS.",
+    )
+    modal_task_id: str | None = Field(
+        None, validation_alias="MODAL_TASK_ID", description="Set by Modal: this container's id."
+    )
+    modal_environment: str | None = Field(
+        None, validation_alias="MODAL_ENVIRONMENT", description="Set by Modal: its environment's name."
+    )
+    modal_region: str | None = Field(
+        None, validation_alias="MODAL_REGION", description="Set by Modal: the container's region."
+    )
+    replicate_model_name: str | None = Field(
+        None, validation_alias="REPLICATE_MODEL_NAME", description="Set by Replicate: the model's name."
+    )
+    replicate_version_id: str | None = Field(
+        None, validation_alias="REPLICATE_VERSION_ID", description="Set by Replicate: the model version."
+    )
+    replicate_deployment_name: str | None = Field(
+        None,
+        validation_alias="REPLICATE_DEPLOYMENT_NAME",
+        description="Set by Replicate when the model runs as a deployment: its name.",
+    )
+
+    @property
+    def collects_scheduler_stats(self) -> bool:
+        """vLLM's own tracing needs its stat collection, which the scheduler gauges turn on."""
+        return self.scheduler_stats or self.exports_engine_traces
+
+    @property
+    def exports_engine_traces(self) -> bool:
+        return self.engine_traces and self.otlp_endpoint is not None
+
+
 class Settings(
     ServedModelSection,
     EngineSection,
@@ -408,11 +470,14 @@ class Settings(
     IdentitySection,
     StreamingSection,
     ObservabilitySection,
+    TelemetrySection,
     BaseSettings,
 ):
     """Every section above, read from BUNDLE_* variables. Add a field to its section, not here."""
 
-    model_config = SettingsConfigDict(env_prefix="BUNDLE_", extra="ignore", frozen=True)
+    # validate_by_name: the few fields read from a standard or platform variable (an alias) can
+    # still be given by name in the constructor, as tests and wrappers give every other one.
+    model_config = SettingsConfigDict(env_prefix="BUNDLE_", extra="ignore", frozen=True, validate_by_name=True)
 
     @property
     def lora_dir(self) -> Path:
