@@ -88,6 +88,8 @@ class SamplingRequest:
     # engine's own interval. Only an engine with `paces_each_request` honours it.
     stream_interval: int | None = None
     adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (lora.py); None: the base
+    # W3C trace context for the engine's own tracing (BUNDLE_ENGINE_TRACES); None: untraced.
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)

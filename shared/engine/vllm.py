@@ -31,6 +31,7 @@ from shared.engine.contract import (
 )
 from shared.engine.model_inspection import settle_inspection
 from shared.engine.presets import apply_preset
+from shared.engine.scheduler_stats import SCHEDULER_FIGURES, SchedulerFigures
 from shared.engine.vllm_features import (
     EngineFeatures,
     client_error_classes,
@@ -68,6 +69,8 @@ class VLLMEngine:
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
         self.output_timings = time_engine_outputs(llm)
+        # vLLM's scheduler figures, where `start_llm` asked for them (BUNDLE_SCHEDULER_STATS).
+        self.scheduler_figures: SchedulerFigures | None = getattr(llm, SCHEDULER_FIGURES, None)
         # Each API difference between vLLM releases, decided once (shared/engine/vllm_features.py).
         self.features = features or detect(
             llm, on_cpu=current_platform.is_cpu(), timed_outputs=self.output_timings.wrapped
@@ -154,7 +157,9 @@ class VLLMEngine:
         self._adapter_in_use(adapter, +1)
         try:
             lora = _lora_request(adapter) if adapter is not None else self._base_lora
-            outputs = self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora)
+            params = _sampling_params(request)
+            headers = request.trace_headers  # the request's trace context (BUNDLE_ENGINE_TRACES), or None
+            outputs = self._llm.generate(prompt, params, request_id, lora_request=lora, trace_headers=headers)
             async for output in outputs:
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
@@ -493,6 +498,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         **_stream_interval(settings),
         **lora_options(settings, on_cpu),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
+        "otlp_traces_endpoint": engine_traces_endpoint(settings),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
     eager = _eager(settings, on_cpu)
@@ -511,6 +517,19 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         structured_outputs_config=_structured_outputs_config(settings),
         **{key: value for key, value in optional.items() if value is not None},
     )
+
+
+def engine_traces_endpoint(settings: Settings) -> str | None:
+    """Where vLLM sends its own spans (BUNDLE_ENGINE_TRACES with an OTLP endpoint), else None.
+    vLLM takes the endpoint as its exporter's own: for http/protobuf the whole traces URL. It
+    reads only the per-signal protocol variable, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (docs say so)."""
+    if not settings.exports_engine_traces or settings.otlp_endpoint is None:
+        return None
+    from shared.obs.otlp import exporter_name
+
+    if exporter_name("traces") == "otlp_proto_http":
+        return settings.otlp_endpoint.rstrip("/") + "/v1/traces"
+    return settings.otlp_endpoint
 
 
 def _stream_interval(settings: Settings) -> dict[str, Any]:
@@ -602,7 +621,10 @@ def start_llm(settings: Settings) -> Any:
     use_compile_caches(settings, args)  # a compile-cache pack, where it was made for this start
     settle_inspection()  # the model class's inspection, begun early by the start's preparation
     log.info("starting vLLM with model %s", args.model)
-    llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+    figures = SchedulerFigures() if settings.collects_scheduler_stats else None
+    loggers = figures.stat_loggers() if figures is not None else None
+    llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=loggers)
+    setattr(llm, SCHEDULER_FIGURES, figures)  # for VLLMEngine, which the caller builds from it
     freeze_startup_heap()
     _live_engines.append(llm)
     return llm
