@@ -80,9 +80,7 @@ def start_telemetry(
     # its instruments' collection: here, the bundle's own registry instead (otlp_metrics.py).
     reader._set_collect_callback(lambda _reader, timeout_millis: collector.metrics_data())
     tracer = tracer_provider.get_tracer("vllm-serverless-bundle")
-    log.info(
-        "telemetry: OTLP traces and metrics to %s (%s)", settings.otlp_endpoint, exporter_name("traces")
-    )
+    log.info("telemetry: OTLP traces and metrics to %s (%s)", settings.otlp_endpoint, exporter_name("traces"))
     return Telemetry(Tracing(tracer, settings.exports_engine_traces), tracer_provider, reader)
 
 
