@@ -23,7 +23,11 @@ from tests.conftest import wait_until
 from tests.otlp_receiver import otlp_receiver
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPORT_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter", "opentelemetry.trace.propagation.tracecontext")
+EXPORT_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter",
+    "opentelemetry.trace.propagation.tracecontext",
+)
 
 
 def probe(**environment: str) -> dict[str, Any]:
