@@ -32,7 +32,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-ROUTES: dict[str, tuple[type, type]] = {
+ROUTES: dict[str, tuple[Any, Any]] = {  # path -> (request, response) message classes
     "/v1/metrics": (ExportMetricsServiceRequest, ExportMetricsServiceResponse),
     "/v1/traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
 }
