@@ -27,6 +27,9 @@ _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 _GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # A shared store on the same network answers in well under a millisecond; seconds mean trouble.
+# The statuses the bundle itself answers with (shared/errors.py), at 0 from the start: the 5xx
+# alert's rate() then sees the first 503 too.
+ANSWERED_CODES = ("200", "400", "401", "404", "413", "422", "429", "499", "500", "503")
 _STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
 
 
@@ -199,6 +202,8 @@ class Metrics:
             self.takeovers.labels(outcome)
         for cause in ("connection", "lease", "handoff"):
             self.takeover_causes.labels(cause)
+        for code in ANSWERED_CODES:
+            self.http_responses.labels(code)
 
     def count_response(self, status: int) -> None:
         self.http_responses.labels(str(status)).inc()
