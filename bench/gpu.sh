@@ -53,6 +53,10 @@
 #      BENCH_THINK_RANDOM=1: exponential waits of that mean), BENCH_OUTPUT_SPREAD=0.5 (output
 #      lengths uniform within ±50 % of 256, per request, the same for every target),
 #      BENCH_ROUNDS, BENCH_TAG=-x (own result folder), BENCH_SERVER_CPUS=0-11 BENCH_CLIENT_CPUS=12-15
+#   run("bash bench/gpu.sh otlp")   # issue 52, ~6 min: the bundle at 256 streams with the OTLP export off,
+#      then on to a local receiver (bench/otlp_sink.py): tok/s and CPU per token on/off within 2 %
+#      (bench/otlp_overhead.py; exit 1 when not). BENCH_OTLP_STATS=1: the "on" arm with
+#      BUNDLE_SCHEDULER_STATS=1 too. -> $OUT/otlp/otlp.md, otlp.json, sink.json, bench-otlp-{off,on}/
 #   optional: run("bash bench/gpu.sh ttft1")   # one stream, 32 requests per target
 #   optional: run("bash bench/gpu.sh profile") # py-spy on the bundle server at 1 and 256 streams
 #      (needs py-spy's wheel in .whl/); summarise with bench/pyspy_summary.py
@@ -365,6 +369,32 @@ case "$stage" in
       batch) shape=(BUNDLE_STREAM_BATCH_AT="${BUNDLE_STREAM_BATCH_AT:-128}") ;;
     esac
     for target in raw bundle; do env "${shape[@]}" BENCH_LEVELS=256 BENCH_TAG="-$stage" bash "$0" "$target"; done ;;
+  otlp)  # issue 52: the bundle at 256 streams with the OTLP export off, then on to a local receiver
+    # (bench/otlp_sink.py, on the client CPUs), same lease: tok/s and CPU per token within 2 %?
+    # The export is what a deploy sets: OTLP/HTTP, metrics every 10 s, every span (no sampler).
+    # BENCH_OTLP_STATS=1 adds BUNDLE_SCHEDULER_STATS=1 to the "on" arm (vLLM's stat collection,
+    # the KV-cache gauge's price). -> $OUT/otlp/otlp.{md,json} + both reports + the sink's summary
+    python3 -c "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http" || {
+      echo "the OpenTelemetry SDK and OTLP exporter are missing from $site: add to .whl/ (cp312):"
+      echo "  python3 -m pip download --no-deps -d .whl opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \\"
+      echo "    opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \\"
+      echo "    opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-http-transport==0.66b2 \\"
+      echo "    opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2"
+      exit 2; }
+    BENCH_LEVELS=256 BENCH_TAG=-otlp-off bash "$0" bundle
+    sink_pin=(); [ -n "${BENCH_CLIENT_CPUS:-}" ] && sink_pin=(taskset -c "$BENCH_CLIENT_CPUS")
+    "${sink_pin[@]}" python3 -m bench.otlp_sink --port 4318 --out bench/gpu-results/otlp/sink.json & sink=$!
+    on=(OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf
+        OTEL_METRIC_EXPORT_INTERVAL=10000)
+    [ "${BENCH_OTLP_STATS:-0}" = 1 ] && on+=(BUNDLE_SCHEDULER_STATS=1)
+    env "${on[@]}" BENCH_LEVELS=256 BENCH_TAG=-otlp-on bash "$0" bundle
+    kill $sink; wait $sink || true
+    status=0
+    python3 -m bench.otlp_overhead bench/gpu-results/bench-otlp-off/bench.json \
+      bench/gpu-results/bench-otlp-on/bench.json --sink bench/gpu-results/otlp/sink.json \
+      --out "${OUT:-/tmp/out}/otlp" || status=$?
+    cp bench/gpu-results/otlp/sink.json "${OUT:-/tmp/out}/otlp/" 2>/dev/null || true
+    exit $status ;;
   presets) suite presets --levels 1,256 --targets bundle:throughput,vllm_server:defaults ;;
   preset-latency) suite presets --levels 1,256 --targets bundle:latency --merge ;;
   preset-fast-boot) suite presets --levels 1,256 --targets bundle:fast-boot --merge ;;

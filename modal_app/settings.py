@@ -23,6 +23,10 @@ class ModalSettings(BaseSettings):
     startup_timeout_s: int = Field(1200, ge=10)
     min_containers: int = Field(0, ge=0)
     max_containers: int | None = Field(None, ge=1)
+    # For a time-to-first-token objective, both come from the measured curve:
+    # `python -m cost_model.scaling --bench results/h200/bench.json --ttft-sla-s 0.5` gives
+    # target 43 (P99 within 500 ms) and max 60 (P50 within it) for the 8B shape on an H200
+    # (docs/observability.md, "Scaling signals"). The defaults favour throughput instead.
     max_inputs: int | None = Field(None, ge=1, description="Unset: the engine's max_num_seqs.")
     target_inputs: int | None = Field(None, ge=1, description="Unset: half of max inputs.")
     secret_name: str | None = Field(None, description="Modal Secret carrying BUNDLE_API_KEY.")

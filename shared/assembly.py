@@ -7,7 +7,8 @@ runner, Modal's container through the HTTP app):
 It opens the engine (or takes the one a caller started, as Modal's snapshot hooks do), warms it
 up unless BUNDLE_WARM_UP=0 or it was warmed already (before a snapshot), guards it against death
 and shutdown (shared/server_state.py), sets the garbage collector's serving thresholds, and runs
-the engine-death watchdog, the loop-lag watcher and the GC pause timer for the service's lifetime.
+the engine-death watchdog, the loop-lag watcher and the GC pause timer for the service's lifetime,
+and the OTLP export when one is configured (shared/obs/otlp.py).
 Leaving aborts what still runs and stops the engine it opened.
 
 Before it, a server whose weights come from a URL (the Cog runner) calls `prepare_start`: the
@@ -33,7 +34,9 @@ from shared.gc_thresholds import gc_thresholds
 from shared.lifecycle import warm_up_once
 from shared.models.weights import bundled_pack, resolve_weights
 from shared.obs.gc_pauses import gc_pauses_observed
+from shared.obs.gpu_memory import watch_gpu_memory
 from shared.obs.loop_lag import watch_loop_lag
+from shared.obs.otlp import Telemetry, start_telemetry
 from shared.server_state import GuardedEngine, ServerState
 from shared.service import Service
 from shared.settings import Settings
@@ -57,10 +60,24 @@ async def start_service(
             engine = await stack.enter_async_context(engine_factory(settings))
             await _warm(engine, settings)
         service = Service(settings, GuardedEngine(engine, server_state))
+        telemetry = _telemetry(service, settings)
+        if telemetry is not None:  # flushed after the service's own shutdown counted its aborts
+            stack.push_async_callback(telemetry.aclose)
         stack.push_async_callback(service.aclose)  # last in, so it runs before the engine stops
         with gc_thresholds(settings.gc_thresholds):
             async with _watched(service, server_state):
                 yield service
+
+
+def _telemetry(service: Service, settings: Settings) -> Telemetry | None:
+    """The gauges only the assembly knows (the objective, GPU memory), and the OTLP export when
+    OTEL_EXPORTER_OTLP_ENDPOINT is set (shared/obs/otlp.py; None, and nothing imported, else)."""
+    service.metrics.ttft_sla.set(settings.ttft_sla_s)
+    watch_gpu_memory(service.metrics.registry)
+    loop = asyncio.get_running_loop()
+    telemetry = start_telemetry(settings, lambda: service.metrics.server_families(settings.api_processes), loop)
+    service.telemetry = telemetry
+    return telemetry
 
 
 async def _warm(engine: Engine, settings: Settings) -> None:

@@ -60,6 +60,10 @@ def explicit_variables(settings: BaseSettings) -> dict[str, str]:
         value = getattr(settings, name)
         if value is None or isinstance(value, SecretStr):
             continue
+        if type(settings).model_fields[name].validation_alias is not None:
+            # A standard or platform variable (OTEL_*, MODAL_*): the platform or its secret sets
+            # it in the container; the deploy never writes it.
+            continue
         if isinstance(value, bool):
             rendered = "true" if value else "false"
         elif isinstance(value, dict):

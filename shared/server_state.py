@@ -87,6 +87,7 @@ class ServerState:
         if self.state == self.DRAINING:
             return  # the engine stopped with the rest of the group; the drain ends the process
         self.state = self.ENGINE_DEAD
+        service.metrics.engine_deaths.inc()
         log.error("the engine died; refusing new requests and exiting once in-flight streams ended")
         await _streams_ended(service, ERROR_FLUSH_BOUND_S)
         await asyncio.sleep(ENGINE_DEAD_LINGER_S)

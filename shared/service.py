@@ -19,7 +19,9 @@ from shared.errors import EventsGone, InvalidRequest, NotFound
 from shared.generation.pacing import StreamPacing
 from shared.generation.registry import CancelOutcome, Entry, Registry
 from shared.generation.subscription import Subscription
+from shared.obs import request_traces
 from shared.obs.metrics import Metrics
+from shared.obs.otlp import Telemetry
 from shared.obs.slow_exit import report_if_slow
 from shared.replicas.continuation import Continuation
 from shared.replicas.identity import Identity, LocalIdentity
@@ -58,6 +60,7 @@ class Service:
             settings, engine, self.metrics, self.adapters, self.registry, self.pacing, self._tokenizer_thread
         )
         self._stats_task: asyncio.Task[None] | None = None
+        self.telemetry: Telemetry | None = None  # OTLP export, set by the assembly when it is on
         if settings.engine_stats_file is not None:
             publisher = publish_engine_stats(
                 engine, settings.engine_stats_file, settings.engine_stats_interval_s
@@ -73,6 +76,9 @@ class Service:
         features = engine.features  # vLLM's engine only (shared/engine/vllm_features.py)
         if features is not None:
             self.metrics.show_engine_features((feature.name, feature.path) for feature in features.found)
+        figures = engine.scheduler_figures  # vLLM's, with BUNDLE_SCHEDULER_STATS
+        if figures is not None:
+            self.metrics.watch_scheduler(figures)
 
     async def end_running(self) -> None:
         """The drain's deadline: hand what another replica can continue over to one (with a
@@ -108,6 +114,7 @@ class Service:
         `event_ids`: the client asked for SSE proper (Accept: text/event-stream). Only the request
         that starts a generation decides; readers that attach later get the same bytes.
         """
+        request_traces.note_request(request_id, body.model, adapter=body.model != self.settings.model_name)
         if request_id is None:
             return self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids)
         self.adapters.resolve(body.model)  # 404 before any claim in a shared store
@@ -115,6 +122,7 @@ class Service:
         placing = self._identity.place(request_id, fingerprint, body.stream, last_event_id, numbered=event_ids)
         async with placing as placement:
             if placement.elsewhere is not None:
+                request_traces.note_event("attach", **{"bundle.where": "another replica"})
                 return placement.elsewhere
             return placement.here(self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids))
 
@@ -140,10 +148,12 @@ class Service:
             entry.output.events.check_resumable(after)
         if attached:  # counted once the resume point is known to be good
             self.metrics.replayed_requests.inc()
+            request_traces.note_event(_reader_kind(resume, entry.output.done), **{"bundle.after_event": after})
         return self.registry.subscribe(entry, after)
 
     async def cancel(self, request_id: str) -> CancelOutcome:
         """Abort the generation this id names; attached streams end with an error event."""
+        request_traces.note_event("cancel", **{"bundle.request_id": request_id})
         try:
             return await self.registry.cancel(request_id, wait_s=CANCEL_WAIT_S)
         except NotFound:  # another replica's, if a store is shared; else NotFound again
@@ -218,6 +228,13 @@ class Service:
         numbered = request_id is not None and event_ids
         entry = self._starter.start(self._identity, kind, body, request_id, fingerprint, numbered=numbered)
         return entry, False
+
+
+def _reader_kind(resume: bool, done: bool) -> str:
+    """How a request read an existing generation, as its trace names it."""
+    if resume:
+        return "resume"
+    return "replay" if done else "attach"
 
 
 def identity_for(

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from dataclasses import replace
 
 from shared.engine.contract import Engine, SamplingRequest
 from shared.engine.lora import Adapters
@@ -21,6 +22,7 @@ from shared.generation.output import GenerationOutput, produce
 from shared.generation.pacing import StreamPacing
 from shared.generation.registry import Entry, Registry
 from shared.generation.replay import ReplayBuffer
+from shared.obs import request_traces
 from shared.obs.metrics import Metrics
 from shared.replicas import takeover
 from shared.replicas.identity import Identity
@@ -76,10 +78,12 @@ class Starter:
         an id, so that other replicas can follow it). Raises its 4xx or 429 before it starts."""
         chars = prompt_chars(body)
         check_prompt_size(body, chars, self._settings)
+        trace = request_traces.generation_trace()  # None unless this request is traced
+        trace_headers = trace.engine_headers() if trace is not None else None
         prepared = None
         if chars <= INLINE_TOKENIZE_MAX_CHARS:
             ids = prompt_ids(body, self._engine, self._settings)
-            prepared = (ids, self._sampling(body, ids))
+            prepared = (ids, self._sampling(body, ids, trace_headers))
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, body.model),  # the base's name or an adapter's
@@ -88,9 +92,10 @@ class Starter:
             include_usage=body.include_usage,
             choices=output_choices(kind, body, self._engine),
         )
+        output.trace = trace
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:
-            await self._prepare_and_produce(identity, entry, kind, body, abort_reason, prepared)
+            await self._prepare_and_produce(identity, entry, kind, body, abort_reason, prepared, trace_headers)
 
         if prepared is not None:
             output.accept(prompt_tokens=len(prepared[0]))
@@ -102,12 +107,15 @@ class Starter:
             identity.own(entry)
         return entry
 
-    def _sampling(self, body: OpenAIRequest, ids: list[int]) -> SamplingRequest:
+    def _sampling(
+        self, body: OpenAIRequest, ids: list[int], trace_headers: Mapping[str, str] | None
+    ) -> SamplingRequest:
         adapter = self._adapters.resolve(body.model)
         interval = self._pacing.engine_interval()
-        return sampling_request(
+        sampling = sampling_request(
             body, ids, self._engine, self._settings, adapter=adapter, stream_interval=interval
         )
+        return sampling if trace_headers is None else replace(sampling, trace_headers=trace_headers)
 
     async def _prepare_and_produce(
         self,
@@ -117,10 +125,11 @@ class Starter:
         body: OpenAIRequest,
         abort_reason: Callable[[], str],
         prepared: Prepared | None,
+        trace_headers: Mapping[str, str] | None,
     ) -> None:
         output = entry.output
         if prepared is None:
-            prepared = await self._prepare(output, body, abort_reason)
+            prepared = await self._prepare(output, body, abort_reason, trace_headers)
             if prepared is None:
                 return
             output.accept(prompt_tokens=len(prepared[0]))
@@ -130,13 +139,17 @@ class Starter:
         await self._produce(output, sampling, abort_reason)
 
     async def _prepare(
-        self, output: GenerationOutput, body: OpenAIRequest, abort_reason: Callable[[], str]
+        self,
+        output: GenerationOutput,
+        body: OpenAIRequest,
+        abort_reason: Callable[[], str],
+        trace_headers: Mapping[str, str] | None,
     ) -> Prepared | None:
         """A long prompt, rendered and checked off the event loop; None once its readers got
         the refusal instead."""
         try:
             ids = await self._render_in_thread(body)
-            return ids, self._sampling(body, ids)
+            return ids, self._sampling(body, ids, trace_headers)
         except BundleError as exc:
             output.reject(exc)  # a 4xx for every reader; the engine never saw it
         except asyncio.CancelledError:  # aborted while rendering (its only reader left)

@@ -59,13 +59,17 @@ def engine_core_of(server_pid: int) -> psutil.Process:
 
 
 @contextlib.contextmanager
-def bundle_server(log_dir: Path, **settings: str) -> Iterator[ServerProcess]:
+def bundle_server(
+    log_dir: Path, environment: dict[str, str] | None = None, **settings: str
+) -> Iterator[ServerProcess]:
+    """`environment`: variables besides BUNDLE_* `settings` (OTEL_*, say)."""
     port = free_port()
     env = {
         **os.environ,
         "BUNDLE_MAX_MODEL_LEN": "2048",
         "BUNDLE_ENFORCE_EAGER": "true",
         "BUNDLE_LOG_LEVEL": "warning",
+        **(environment or {}),
         **{f"BUNDLE_{key.upper()}": value for key, value in settings.items()},
     }
     log = log_dir / "server.log"

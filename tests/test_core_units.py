@@ -469,6 +469,7 @@ def test_the_send_wrappers_a_stream_body_skips_are_the_ones_that_only_watch_its_
 
     from shared.http.api import BearerAuth, create_app
     from shared.http.headers import HeaderGuard
+    from shared.http.telemetry import RequestTelemetry
 
     app = create_app(Settings(api_key="k"), engine=ScriptedEngine())
     layer: Any = app.build_middleware_stack()
@@ -477,7 +478,15 @@ def test_the_send_wrappers_a_stream_body_skips_are_the_ones_that_only_watch_its_
         layers.append(type(layer))
         layer = layer.app
     # AsyncExitStackMiddleware does not wrap send at all; FastAPI adds it inside its handlers.
-    expected = [ServerErrorMiddleware, HeaderGuard, BearerAuth, ExceptionMiddleware, AsyncExitStackMiddleware]
+    # RequestTelemetry reads the status of `http.response.start` and passes every message on.
+    expected = [
+        ServerErrorMiddleware,
+        RequestTelemetry,
+        HeaderGuard,
+        BearerAuth,
+        ExceptionMiddleware,
+        AsyncExitStackMiddleware,
+    ]
     assert layers == expected
 
 

@@ -4,7 +4,7 @@ Every import counts (module level, inside functions, under TYPE_CHECKING): a laz
 still an arrow between two modules. The rules:
 - no import cycle between modules;
 - the layers of shared/ import one way, downwards: the top-level foundation (settings,
-  env_values, errors, schemas, streaming, redis_client) < obs < models and cache (fetching and
+  settings_serving, env_values, errors, schemas, streaming, redis_client) < obs < models and cache (fetching and
   building model files, the compile-cache pack) < engine (its contract and the vLLM adapter) <
   shaping (OpenAI output shaping on the contract) < generation (one generation's output, replay
   buffer and registry) < replicas (identity across replicas: store, log, liveness, takeover) <
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOUNDATION = {
     "shared.settings",
     "shared.env_values",
+    "shared.settings_serving",
     "shared.errors",
     "shared.schemas",
     "shared.streaming",

@@ -122,3 +122,19 @@ def test_a_mismatched_copy_fails_the_check(tmp_path: Path, file: str, old: str, 
     (tmp_path / file).write_text(text.replace(old, new))
     with pytest.raises(AssertionError, match="the deploy images pin vllm=="):
         check_deployed_engine_is_tested(tmp_path)
+
+
+def test_the_otel_extra_is_what_the_images_pin_and_the_tests_run() -> None:
+    """The telemetry extra, the deploy pins and the installed SDK (vLLM's own dependency, so the
+    version the tested engine brings) agree exactly."""
+    pins = _pins()
+    extra = [Requirement(text) for text in _pyproject()["optional-dependencies"]["otel"]]
+    assert len(extra) >= 6
+    for requirement in extra:
+        name = _normal(requirement.name)
+        assert str(requirement.specifier) == f"=={pins[name]}", requirement
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            pytest.skip(f"{requirement.name} is not installed here")
+        assert installed == pins[name], f"{name}: installed {installed}, pinned {pins[name]}"

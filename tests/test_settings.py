@@ -43,6 +43,11 @@ PUBLISHED = frozenset({
     'BUNDLE_TINY_MODEL_SEED',
     'BUNDLE_TINY_MODEL_SHAPE', 'BUNDLE_TOOL_CALL_PARSER', 'BUNDLE_TRUST_REMOTE_CODE', 'BUNDLE_WAKE_SLOW_S',
     'BUNDLE_WAKE_WAIT_S', 'BUNDLE_WARM_UP',
+    # issue 52: telemetry. The OTLP switch is the standard variable, the container's identity the
+    # platforms' own (read, never written by a deploy).
+    'BUNDLE_TTFT_SLA_S', 'BUNDLE_SCHEDULER_STATS', 'BUNDLE_ENGINE_TRACES', 'OTEL_EXPORTER_OTLP_ENDPOINT',
+    'MODAL_TASK_ID', 'MODAL_ENVIRONMENT', 'MODAL_REGION',
+    'REPLICATE_MODEL_NAME', 'REPLICATE_VERSION_ID', 'REPLICATE_DEPLOYMENT_NAME',
 })  # fmt: skip
 
 # Durations in milliseconds: kept because their variables name the unit (module docstring).

@@ -19,6 +19,7 @@ from shared.settings import Settings
 
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
+    from shared.engine.scheduler_stats import SchedulerFigures
     from shared.engine.vllm_features import EngineFeatures
     from shared.obs.engine_outputs import OutputTimings
 
@@ -95,6 +96,8 @@ class SamplingRequest:
     # engine's own interval. Only an engine with `paces_each_request` honours it.
     stream_interval: int | None = None
     adapter: Adapter | None = None  # a LoRA adapter the engine has loaded (lora.py); None: the base
+    # W3C trace context for the engine's own tracing (BUNDLE_ENGINE_TRACES); None: untraced.
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,12 @@ class Engine(Protocol):
     def static_adapters(self) -> Sequence[Adapter]:
         """The LoRA adapters loaded with the engine at start (BUNDLE_LORA_MODULES)."""
         return ()
+
+    @property
+    def scheduler_figures(self) -> SchedulerFigures | None:
+        """The scheduler's last-step figures (KV-cache usage, queue), where collected
+        (BUNDLE_SCHEDULER_STATS on vLLM's engine); None otherwise."""
+        return None
 
     def decode_steps(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], skip_special_tokens: bool

@@ -26,6 +26,7 @@ from shared.engine.contract import (
     TokenLogprob,
     ToolCallShaper,
 )
+from shared.engine.scheduler_stats import SchedulerFigures
 from shared.engine.vllm_features import EngineFeatures, client_error_classes, detect, xgrammar_validator
 from shared.errors import RUN_AGAIN_ADVICE, BundleError, EngineUnavailable, GenerationFailed, InvalidRequest
 from shared.obs.engine_outputs import time_engine_outputs
@@ -46,6 +47,7 @@ class VLLMEngine:
         wake_wait_s: float = 30.0,
         tool_call_parser: str = "llama3_json",
         features: EngineFeatures | None = None,
+        scheduler_figures: SchedulerFigures | None = None,
     ) -> None:
         from vllm.platforms import current_platform
 
@@ -54,6 +56,7 @@ class VLLMEngine:
         self.info = info
         self.prefix_cache = PrefixCacheCounts()
         self.output_timings = time_engine_outputs(llm)
+        self.scheduler_figures = scheduler_figures  # where `start_llm` collects them (BUNDLE_SCHEDULER_STATS)
         # Each API difference between vLLM releases, decided once (shared/engine/vllm_features.py).
         self.features = features or detect(
             llm, on_cpu=current_platform.is_cpu(), timed_outputs=self.output_timings.wrapped
@@ -140,7 +143,9 @@ class VLLMEngine:
         self._adapter_in_use(adapter, +1)
         try:
             lora = _lora_request(adapter) if adapter is not None else self._base_lora
-            outputs = self._llm.generate(prompt, _sampling_params(request), request_id, lora_request=lora)
+            params = _sampling_params(request)
+            headers = request.trace_headers  # the request's trace context (BUNDLE_ENGINE_TRACES), or None
+            outputs = self._llm.generate(prompt, params, request_id, lora_request=lora, trace_headers=headers)
             async for output in outputs:
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)

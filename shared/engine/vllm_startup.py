@@ -21,6 +21,7 @@ from shared.cache.start import use_compile_caches
 from shared.engine.contract import EngineInfo
 from shared.engine.model_inspection import settle_inspection
 from shared.engine.presets import apply_preset
+from shared.engine.scheduler_stats import SCHEDULER_FIGURES, SchedulerFigures
 from shared.engine.vllm import VLLMEngine
 from shared.engine.vllm_features import EngineFeatures, has_cuda_graph_cap, has_engine_stream_interval
 from shared.models.tiny_model import ensure_model
@@ -52,6 +53,7 @@ def engine_args(settings: Settings, on_cpu: bool) -> Any:
         **_stream_interval(settings),
         **lora_options(settings, on_cpu),
         **start_up_options(settings, eager=_eager(settings, on_cpu)),
+        "otlp_traces_endpoint": engine_traces_endpoint(settings),
     }
     memory_share = settings.gpu_memory_utilization or (0.1 if on_cpu else 0.9)
     eager = _eager(settings, on_cpu)
@@ -82,6 +84,19 @@ def _dtype(settings: Settings) -> Dtype:
 
 def _eager(settings: Settings, on_cpu: bool) -> bool:
     return settings.enforce_eager if settings.enforce_eager is not None else on_cpu
+
+
+def engine_traces_endpoint(settings: Settings) -> str | None:
+    """Where vLLM sends its own spans (BUNDLE_ENGINE_TRACES with an OTLP endpoint), else None.
+    vLLM takes the endpoint as its exporter's own: for http/protobuf the whole traces URL. It
+    reads only the per-signal protocol variable, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (docs say so)."""
+    if not settings.exports_engine_traces or settings.otlp_endpoint is None:
+        return None
+    from shared.obs.otlp import exporter_name
+
+    if exporter_name("traces") == "otlp_proto_http":
+        return settings.otlp_endpoint.rstrip("/") + "/v1/traces"
+    return settings.otlp_endpoint
 
 
 def _stream_interval(settings: Settings) -> dict[str, Any]:
@@ -178,7 +193,10 @@ def start_llm(settings: Settings) -> Any:
     use_compile_caches(settings, args)  # a compile-cache pack, where it was made for this start
     settle_inspection()  # the model class's inspection, begun early by the start's preparation
     log.info("starting vLLM with model %s", args.model)
-    llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
+    figures = SchedulerFigures() if settings.collects_scheduler_stats else None
+    loggers = figures.stat_loggers() if figures is not None else None
+    llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=loggers)
+    setattr(llm, SCHEDULER_FIGURES, figures)  # for the VLLMEngine `open_engine` builds on it
     freeze_startup_heap()
     _live_engines.append(llm)
     return llm
@@ -280,7 +298,12 @@ async def open_engine(
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
         engine = VLLMEngine(
-            llm, info, wake_wait_s=settings.wake_wait_s, tool_call_parser=settings.tool_call_parser
+            llm,
+            info,
+            wake_wait_s=settings.wake_wait_s,
+            tool_call_parser=settings.tool_call_parser,
+            # Collected only where `start_llm` made this AsyncLLM (not a shared core's client).
+            scheduler_figures=getattr(llm, SCHEDULER_FIGURES, None),
         )
         log_features(engine.features)
         if settings.enable_lora:

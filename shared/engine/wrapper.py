@@ -22,6 +22,7 @@ from shared.engine.contract import (
 
 if TYPE_CHECKING:
     from shared.engine.lora import Adapter
+    from shared.engine.scheduler_stats import SchedulerFigures
     from shared.engine.vllm_features import EngineFeatures
     from shared.obs.engine_outputs import OutputTimings
 
@@ -91,6 +92,10 @@ class EngineWrapper:
     @property
     def static_adapters(self) -> Sequence[Adapter]:
         return self.inner.static_adapters
+
+    @property
+    def scheduler_figures(self) -> SchedulerFigures | None:
+        return self.inner.scheduler_figures
 
 
 def _passes_every_member(engine: EngineWrapper) -> Engine:

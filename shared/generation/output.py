@@ -18,6 +18,7 @@ from shared.engine.contract import EngineDelta
 from shared.errors import BundleError, GenerationFailed, ShuttingDown, abort_error
 from shared.generation.replay import EventLog, Notifier
 from shared.obs.metrics import Metrics
+from shared.obs.request_traces import GenerationTrace
 from shared.shaping.choices import Choices
 from shared.streaming import DONE_DATA, ChunkEncoder, Usage, error_data
 
@@ -68,6 +69,7 @@ class GenerationOutput:
         # ones a takeover continues): their token ids go to the log beside their text.
         self.recorder: TokenRecorder | None = None
         self.handed_off = False
+        self.trace: GenerationTrace | None = None  # its spans, when its request is traced (OTLP on)
         self._text_changed = Notifier()  # waited on only by text and admission readers
 
     # --- writing (the producer task only) ----------------------------------------------------
@@ -219,6 +221,9 @@ async def produce(
     metrics.queued_requests.inc()
     waiting_for_first = True
     started = last = time.perf_counter()
+    trace = output.trace
+    if trace is not None:
+        trace.engine_started()
     if opening:
         output.open()
     try:
@@ -229,6 +234,8 @@ async def produce(
                     metrics.time_to_first_token.observe(now - started)
                     metrics.queued_requests.dec()
                     waiting_for_first = False
+                    if trace is not None:
+                        trace.first_token()
                 elif delta.token_count:
                     metrics.inter_token_latency.observe((now - last) / delta.token_count)
                 last = now
@@ -263,3 +270,14 @@ async def produce(
         if waiting_for_first:
             metrics.queued_requests.dec()
         metrics.running_generations.dec()
+        if trace is not None:
+            trace.finished(output.usage.prompt_tokens, output.usage.completion_tokens, _outcome(output))
+
+
+def _outcome(output: GenerationOutput) -> str:
+    """How a generation ended, for its trace: its finish reason, or its error's kind."""
+    if output.handed_off:
+        return HANDOFF
+    if output.error is not None:
+        return type(output.error).__name__
+    return output.finish_reason or "unknown"

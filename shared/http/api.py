@@ -45,6 +45,8 @@ from shared.http.requests import (
     service_of,
 )
 from shared.http.responses_api import add_routes as add_responses_routes
+from shared.http.telemetry import RequestTelemetry
+from shared.obs import request_traces
 from shared.responses.manager import Responses
 from shared.schemas import (
     ChatCompletionRequest,
@@ -104,6 +106,8 @@ def create_app(
         app.add_middleware(BearerAuth, api_key=settings.api_key.get_secret_value())
     # Added last, so outermost: bounded headers are checked before auth and every route.
     app.add_middleware(HeaderGuard, max_count=settings.max_header_count, max_bytes=settings.max_header_bytes)
+    # Around even that: every answer counted by status, a traced request's span (OTLP on).
+    app.add_middleware(RequestTelemetry)
     return app
 
 
@@ -188,6 +192,7 @@ async def _respond(request: Request, kind: Kind, body: ChatCompletionRequest | C
         subscription.close()
         raise
     service.metrics.admission.observe(admission_seconds(request.scope))
+    request_traces.note_admitted()
     headers = {"X-Request-Id": request_id} if request_id else {}
     if not subscription.stream:
         return await _whole_response(request, subscription, headers)

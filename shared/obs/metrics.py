@@ -9,12 +9,14 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import SummaryMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from shared.obs.engine_outputs import OutputTimings
 from shared.obs.internals_check import Found
 from shared.obs.loop_metrics import LoopCounter, LoopHistogram
 from shared.obs.process_metrics import ProcessBoard
+from shared.obs.scheduler_gauges import SchedulerFigures, SchedulerGauges
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,9 @@ _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 _GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # A shared store on the same network answers in well under a millisecond; seconds mean trouble.
+# The statuses the bundle itself answers with (shared/errors.py), at 0 from the start: the 5xx
+# alert's rate() then sees the first 503 too.
+ANSWERED_CODES = ("200", "400", "401", "404", "413", "422", "429", "499", "500", "503")
 _STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5)
 
 
@@ -119,6 +124,7 @@ class Metrics:
         self._add_store_metrics(r)
         self._add_takeover_metrics(r)
         self._add_model_metrics(r)
+        self._add_health_metrics(r)
 
     def _add_takeover_metrics(self, r: CollectorRegistry) -> None:
         """Generations continued across replicas (BUNDLE_REDIS_URL, BUNDLE_TAKEOVER)."""
@@ -170,6 +176,42 @@ class Metrics:
         self.model_generation_tokens = Counter(
             "bundle_model_generation_tokens", "Tokens generated, per model.", ["model"], registry=r
         )
+
+    def _add_health_metrics(self, r: CollectorRegistry) -> None:
+        """What the alert rules watch beyond latency (shared/obs/deploy/): answers by status,
+        engine deaths, and the time-to-first-token objective the rules compare with."""
+        self.http_responses = Counter(
+            "bundle_http_responses",
+            "HTTP responses sent, by status code (a stream that fails after its 200 counts as 200; "
+            "its end is in bundle_aborted_requests).",
+            ["code"],
+            registry=r,
+        )
+        self.engine_deaths = Counter(
+            "bundle_engine_deaths",
+            "Times this server found its engine dead (it then refuses work and exits).",
+            registry=r,
+        )
+        self.ttft_sla = Gauge(
+            "bundle_ttft_sla_seconds",
+            "The time-to-first-token objective (BUNDLE_TTFT_SLA_S) the P99 alert compares with.",
+            registry=r,
+        )
+        # Known label values start at 0: a series born at 1 shows no increase() (the takeover
+        # alert would miss the first takeover), and a panel shows 0 rather than "no data".
+        for outcome in ("continued", "ended", "finished", "lost_race"):
+            self.takeovers.labels(outcome)
+        for cause in ("connection", "lease", "handoff"):
+            self.takeover_causes.labels(cause)
+        for code in ANSWERED_CODES:
+            self.http_responses.labels(code)
+
+    def count_response(self, status: int) -> None:
+        self.http_responses.labels(str(status)).inc()
+
+    def watch_scheduler(self, figures: SchedulerFigures) -> None:
+        """vLLM's scheduler figures (BUNDLE_SCHEDULER_STATS): KV-cache usage, its own queue."""
+        self.registry.register(SchedulerGauges(figures))
 
     def count_rejection(self, status: int) -> None:
         """A request refused before it reached the engine, by its HTTP status."""
@@ -285,6 +327,16 @@ class Metrics:
         """From now on /metrics shows the whole server: this process's figures added up with the
         other API processes' (BUNDLE_API_PROCESSES > 1; shared/obs/process_metrics.py)."""
         self._board = board
+
+    def server_families(self, api_processes: int) -> list[Metric] | None:
+        """What /metrics shows, as families, where this process speaks for the server: always
+        with one API process; with several, only the first, once it knows it is the first
+        (`share_with`), its figures those of all of them (None elsewhere)."""
+        if api_processes == 1:
+            return list(self.registry.collect())
+        if self._board is None or self._board.index != 0:
+            return None
+        return self._board.families(self.registry)
 
     def exposition(self) -> bytes:
         if self._board is not None:

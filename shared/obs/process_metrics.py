@@ -64,8 +64,12 @@ class ProcessBoard:
 
     def exposition(self, registry: CollectorRegistry) -> bytes:
         """The whole server's /metrics: this process live, the others as last published."""
+        return generate_latest(_Collected(self.families(registry)))  # type: ignore[arg-type]
+
+    def families(self, registry: CollectorRegistry) -> list[Metric]:
+        """What /metrics shows as families (also what OTLP exports, shared/obs/otlp_metrics.py)."""
         snapshots = [list(registry.collect()), *self.others()]
-        return generate_latest(_Collected(add_up(snapshots), len(snapshots)))  # type: ignore[arg-type]
+        return [*add_up(snapshots), _processes_gauge(len(snapshots))]
 
 
 def add_up(snapshots: list[list[Metric]]) -> list[Metric]:
@@ -94,20 +98,22 @@ def _with_samples(family: Metric, summed: dict[SampleKey, float]) -> Metric:
 
 
 class _Collected:
-    """What generate_latest reads: the added-up families, and how many processes they cover."""
+    """What generate_latest reads: families already collected."""
 
-    def __init__(self, metrics: list[Metric], processes: int) -> None:
+    def __init__(self, metrics: list[Metric]) -> None:
         self._metrics = metrics
-        self._processes = processes
 
     def collect(self) -> Iterable[Metric]:
         yield from self._metrics
-        yield GaugeMetricFamily(
-            "bundle_api_processes",
-            "API processes whose figures this scrape adds up (BUNDLE_API_PROCESSES; fewer while "
-            "some are still starting).",
-            value=self._processes,
-        )
+
+
+def _processes_gauge(processes: int) -> Metric:
+    return GaugeMetricFamily(
+        "bundle_api_processes",
+        "API processes whose figures this scrape adds up (BUNDLE_API_PROCESSES; fewer while "
+        "some are still starting).",
+        value=processes,
+    )
 
 
 def _encode(metric: Metric) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from shared.generation.output import GenerationOutput, produce
 from shared.generation.pacing import StreamPacing
 from shared.generation.registry import Entry, Producer
 from shared.generation.replay import ReplayBuffer
+from shared.obs import request_traces
 from shared.obs.metrics import Metrics
 from shared.replicas import takeover
 from shared.replicas.store import Claim
@@ -73,6 +74,8 @@ class Continuation:
             steps = await self._decode_steps(recipe, logged.ids)
         plan = takeover.plan(logged, steps)
         output = _continued_output(recipe, logged, plan, claim, self._settings.max_events_per_request)
+        outcome = "ended" if plan.refusal else "continued"
+        output.trace = request_traces.takeover_trace(request_id, outcome, plan.kept)  # before it runs
         entry = Entry(request_id=request_id, fingerprint=claim.fingerprint, output=output)
 
         async def producer(out: GenerationOutput, abort_reason: Callable[[], str]) -> None:

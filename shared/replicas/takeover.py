@@ -62,8 +62,9 @@ class Recipe:
 
 
 # A SamplingRequest's fields the log leaves out: the prompt is the recipe's own; a constraint
-# never continues (`refusal_of`); the pacing and the adapter are the continuing replica's.
-NOT_LOGGED = frozenset({"prompt_token_ids", "constraint", "stream_interval", "adapter"})
+# never continues (`refusal_of`); the pacing, the adapter and the trace context are the continuing
+# replica's (its spans belong to the request that took it over).
+NOT_LOGGED = frozenset({"prompt_token_ids", "constraint", "stream_interval", "adapter", "trace_headers"})
 LOGGED_FIELDS = tuple(f.name for f in dataclass_fields(SamplingRequest) if f.name not in NOT_LOGGED)
 
 
