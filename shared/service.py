@@ -16,6 +16,7 @@ from shared.engine.contract import Engine
 from shared.engine.lora import Adapters
 from shared.engine.stats_file import publish_engine_stats
 from shared.errors import EventsGone, InvalidRequest, NotFound
+from shared.generation.engine_side import EngineSide
 from shared.generation.pacing import StreamPacing
 from shared.generation.registry import CancelOutcome, Entry, Registry
 from shared.generation.subscription import Subscription
@@ -52,13 +53,9 @@ class Service:
         self.metrics.watch_held(lambda: self.registry.stats()["held_requests"])
         self.pacing = StreamPacing(settings.stream_batch_at, engine, self.registry)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-tokenizer")
-        continuation = Continuation(
-            settings, engine, self.metrics, self.adapters, self.pacing, self._tokenizer_thread
-        )
-        self._identity = identity_for(settings, self.registry, self.metrics, continuation)
-        self._starter = Starter(
-            settings, engine, self.metrics, self.adapters, self.registry, self.pacing, self._tokenizer_thread
-        )
+        side = EngineSide(settings, engine, self.metrics, self.adapters, self.pacing, self._tokenizer_thread)
+        self._identity = identity_for(settings, self.registry, self.metrics, Continuation(side))
+        self._starter = Starter(side, self.registry)
         self._stats_task: asyncio.Task[None] | None = None
         self.telemetry: Telemetry | None = None  # OTLP export, set by the assembly when it is on
         if settings.engine_stats_file is not None:

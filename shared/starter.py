@@ -12,18 +12,15 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from dataclasses import replace
 
-from shared.engine.contract import Engine, SamplingRequest
-from shared.engine.lora import Adapters
+from shared.engine.contract import SamplingRequest
 from shared.errors import BundleError, Cancelled, GenerationFailed
+from shared.generation.engine_side import EngineSide
 from shared.generation.output import GenerationOutput, produce
-from shared.generation.pacing import StreamPacing
 from shared.generation.registry import Entry, Registry
 from shared.generation.replay import ReplayBuffer
 from shared.obs import request_traces
-from shared.obs.metrics import Metrics
 from shared.replicas import takeover
 from shared.replicas.identity import Identity
 from shared.sampling import (
@@ -34,7 +31,6 @@ from shared.sampling import (
     prompt_ids,
     sampling_request,
 )
-from shared.settings import Settings
 from shared.streaming import ChunkEncoder, Kind
 
 log = logging.getLogger(__name__)
@@ -46,23 +42,9 @@ Prepared = tuple[list[int], SamplingRequest]
 
 
 class Starter:
-    def __init__(
-        self,
-        settings: Settings,
-        engine: Engine,
-        metrics: Metrics,
-        adapters: Adapters,
-        registry: Registry,
-        pacing: StreamPacing,
-        tokenizer_thread: Executor,
-    ) -> None:
-        self._settings = settings
-        self._engine = engine
-        self._metrics = metrics
-        self._adapters = adapters
+    def __init__(self, side: EngineSide, registry: Registry) -> None:
+        self._side = side
         self._registry = registry
-        self._pacing = pacing
-        self._tokenizer_thread = tokenizer_thread
 
     def start(
         self,
@@ -77,20 +59,20 @@ class Starter:
         """Register and start a generation (mirrored and owned through `identity` when it has
         an id, so that other replicas can follow it). Raises its 4xx or 429 before it starts."""
         chars = prompt_chars(body)
-        check_prompt_size(body, chars, self._settings)
+        check_prompt_size(body, chars, self._side.settings)
         trace = request_traces.generation_trace()  # None unless this request is traced
         trace_headers = trace.engine_headers() if trace is not None else None
         prepared = None
         if chars <= INLINE_TOKENIZE_MAX_CHARS:
-            ids = prompt_ids(body, self._engine, self._settings)
+            ids = prompt_ids(body, self._side.engine, self._side.settings)
             prepared = (ids, self._sampling(body, ids, trace_headers))
         completion_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         output = GenerationOutput(
             encoder=ChunkEncoder(kind, completion_id, body.model),  # the base's name or an adapter's
-            events=ReplayBuffer(self._settings.max_events_per_request, numbered=numbered),
+            events=ReplayBuffer(self._side.settings.max_events_per_request, numbered=numbered),
             stream=body.stream,
             include_usage=body.include_usage,
-            choices=output_choices(kind, body, self._engine),
+            choices=output_choices(kind, body, self._side.engine),
         )
         output.trace = trace
 
@@ -110,10 +92,10 @@ class Starter:
     def _sampling(
         self, body: OpenAIRequest, ids: list[int], trace_headers: Mapping[str, str] | None
     ) -> SamplingRequest:
-        adapter = self._adapters.resolve(body.model)
-        interval = self._pacing.engine_interval()
+        adapter = self._side.adapters.resolve(body.model)
+        interval = self._side.pacing.engine_interval()
         sampling = sampling_request(
-            body, ids, self._engine, self._settings, adapter=adapter, stream_interval=interval
+            body, ids, self._side.engine, self._side.settings, adapter=adapter, stream_interval=interval
         )
         return sampling if trace_headers is None else replace(sampling, trace_headers=trace_headers)
 
@@ -166,23 +148,25 @@ class Starter:
         try:
             await produce(
                 output,
-                self._engine.generate(completion_id, sampling),
-                self._metrics,
-                self._settings.request_timeout_s,
+                self._side.engine.generate(completion_id, sampling),
+                self._side.metrics,
+                self._side.settings.request_timeout_s,
                 abort_reason,
             )
         finally:  # per model, counted once per generation: nothing on the per-token path
             adapter = sampling.adapter
-            if adapter is None or self._adapters.holds(adapter):  # an unloaded one's series are gone
-                model = adapter.name if adapter else self._settings.model_name
-                self._metrics.count_model(model, output.usage.prompt_tokens, output.usage.completion_tokens)
+            if adapter is None or self._side.adapters.holds(adapter):  # an unloaded one's series are gone
+                model = adapter.name if adapter else self._side.settings.model_name
+                self._side.metrics.count_model(
+                    model, output.usage.prompt_tokens, output.usage.completion_tokens
+                )
 
     async def _render_in_thread(self, body: OpenAIRequest) -> list[int]:
         """Tokenize (or apply the chat template) in the one tokenizer thread (one, because a
         Hugging Face tokenizer is not safe to call from two threads at once)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._tokenizer_thread, prompt_ids, body, self._engine, self._settings
+            self._side.tokenizer_thread, prompt_ids, body, self._side.engine, self._side.settings
         )
 
 

@@ -12,21 +12,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
-from shared.engine.contract import Engine, EngineDelta, SamplingRequest
-from shared.engine.lora import Adapters
+from shared.engine.contract import EngineDelta, SamplingRequest
 from shared.errors import BundleError, ProducerLost
+from shared.generation.engine_side import EngineSide
 from shared.generation.output import GenerationOutput, produce
-from shared.generation.pacing import StreamPacing
 from shared.generation.registry import Entry, Producer
 from shared.generation.replay import ReplayBuffer
 from shared.obs import request_traces
-from shared.obs.metrics import Metrics
 from shared.replicas import takeover
 from shared.replicas.store import Claim
-from shared.settings import Settings
 from shared.streaming import ChunkEncoder
 
 log = logging.getLogger(__name__)
@@ -46,21 +42,8 @@ class Continued:
 
 
 class Continuation:
-    def __init__(
-        self,
-        settings: Settings,
-        engine: Engine,
-        metrics: Metrics,
-        adapters: Adapters,
-        pacing: StreamPacing,
-        tokenizer_thread: Executor,
-    ) -> None:
-        self._settings = settings
-        self._engine = engine
-        self._metrics = metrics
-        self._adapters = adapters
-        self._pacing = pacing
-        self._tokenizer_thread = tokenizer_thread
+    def __init__(self, side: EngineSide) -> None:
+        self._side = side
 
     async def prepare(
         self, request_id: str, claim: Claim, logged: takeover.Logged, lost_at: float
@@ -73,7 +56,7 @@ class Continuation:
         if recipe is not None and logged.finish_reason is None:
             steps = await self._decode_steps(recipe, logged.ids)
         plan = takeover.plan(logged, steps)
-        output = _continued_output(recipe, logged, plan, claim, self._settings.max_events_per_request)
+        output = _continued_output(recipe, logged, plan, claim, self._side.settings.max_events_per_request)
         outcome = "ended" if plan.refusal else "continued"
         output.trace = request_traces.takeover_trace(request_id, outcome, plan.kept)  # before it runs
         entry = Entry(request_id=request_id, fingerprint=claim.fingerprint, output=output)
@@ -86,7 +69,7 @@ class Continuation:
     def started(self, continued: Continued) -> None:
         """Counted and logged once it runs here."""
         outcome = "ended" if continued.refusal else "continued"
-        self._metrics.takeovers.labels(outcome).inc()
+        self._side.metrics.takeovers.labels(outcome).inc()
         what = continued.refusal or f"{continued.kept} tokens kept"
         log.info("took over %s (%s): %s", continued.entry.request_id, outcome, what)
 
@@ -95,8 +78,8 @@ class Continuation:
         cannot decode that way)."""
         skip_special = bool(recipe.sampling["skip_special_tokens"])
         loop = asyncio.get_running_loop()
-        decode = self._engine.decode_steps
-        return await loop.run_in_executor(self._tokenizer_thread, decode, recipe.prompt, ids, skip_special)
+        decode = self._side.engine.decode_steps
+        return await loop.run_in_executor(self._side.tokenizer_thread, decode, recipe.prompt, ids, skip_special)
 
     async def _go_on(
         self,
@@ -122,9 +105,13 @@ class Continuation:
         except BundleError as exc:  # its adapter is not loaded here
             output.finish(ProducerLost(f"{LOST_AND_NOT_CONTINUED} here ({exc.message}); {NEW_ID}"))
             return
-        deltas = takeover.after_sent(self._engine.generate(logged.recipe.completion_id, sampling), plan.resent)
-        timeout = self._settings.request_timeout_s
-        await produce(output, self._timed(deltas, lost_at), self._metrics, timeout, abort_reason, opening=False)
+        deltas = takeover.after_sent(
+            self._side.engine.generate(logged.recipe.completion_id, sampling), plan.resent
+        )
+        timeout = self._side.settings.request_timeout_s
+        await produce(
+            output, self._timed(deltas, lost_at), self._side.metrics, timeout, abort_reason, opening=False
+        )
 
     def _rest(
         self, request_id: str, recipe: takeover.Recipe, ids: list[int], plan: takeover.Plan
@@ -137,8 +124,8 @@ class Continuation:
             max_tokens=plan.remaining,
             seed=takeover.continuation_seed(recipe, request_id, plan.kept),
             min_tokens=max(0, given.min_tokens - plan.kept),
-            stream_interval=self._pacing.engine_interval(),
-            adapter=self._adapters.resolve(recipe.model),
+            stream_interval=self._side.pacing.engine_interval(),
+            adapter=self._side.adapters.resolve(recipe.model),
         )
 
     async def _timed(self, deltas: AsyncIterator[EngineDelta], lost_at: float) -> AsyncIterator[EngineDelta]:
@@ -146,9 +133,9 @@ class Continuation:
         first = True
         async for delta in deltas:
             if first:
-                self._metrics.takeover_seconds.observe(time.monotonic() - lost_at)
+                self._side.metrics.takeover_seconds.observe(time.monotonic() - lost_at)
                 first = False
-            self._metrics.continued_tokens.inc(delta.token_count)
+            self._side.metrics.continued_tokens.inc(delta.token_count)
             yield delta
 
 
