@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from cog_bridge import chat_request_from_inputs, with_adapter
+from cog_bridge import with_adapter
+from cog_inputs import chat_request_from_inputs
 
 from shared.engine.lora import COG_PREFIX
 from shared.engine.vllm_startup import resolve_model_path

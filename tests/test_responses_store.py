@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from shared.errors import EventsGone
-from shared.responses import store as store_module
+from shared.responses import records as store_module
 from shared.responses.records import MemoryStore, RedisStore, ResponseStore
 from shared.settings import Settings
 from tests.redis_server import RedisServer
