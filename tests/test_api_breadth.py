@@ -463,7 +463,7 @@ def test_bad_completion_input_is_a_400(http: httpx.Client, service: Service, cha
 
 # --- the Cog runner's inputs (no server: the translation only) ---------------------------------
 def test_cog_json_schema_and_tools_inputs_become_the_same_request() -> None:
-    from cog_bridge import chat_request_from_inputs
+    from cog_inputs import chat_request_from_inputs
 
     from shared.errors import InvalidRequest
     from shared.settings import Settings
