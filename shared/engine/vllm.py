@@ -144,8 +144,10 @@ class VLLMEngine:
         try:
             lora = _lora_request(adapter) if adapter is not None else self._base_lora
             params = _sampling_params(request)
-            headers = request.trace_headers  # the request's trace context (BUNDLE_ENGINE_TRACES), or None
-            outputs = self._llm.generate(prompt, params, request_id, lora_request=lora, trace_headers=headers)
+            # The request's trace context, only when traced (BUNDLE_ENGINE_TRACES): otherwise the
+            # call is the one every vLLM release takes.
+            traced = {"trace_headers": request.trace_headers} if request.trace_headers else {}
+            outputs = self._llm.generate(prompt, params, request_id, lora_request=lora, **traced)
             async for output in outputs:
                 if first:  # the count is known from the first output on
                     self.prefix_cache.record(len(request.prompt_token_ids), output.num_cached_tokens)
