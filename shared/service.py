@@ -113,7 +113,7 @@ class Service:
         """
         request_traces.note_request(request_id, body.model, adapter=body.model != self.settings.model_name)
         if request_id is None:
-            return self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids)
+            return self._open_here(kind, body, None, None, last_event_id, event_ids=event_ids)
         self.adapters.resolve(body.model)  # 404 before any claim in a shared store
         fingerprint = request_fingerprint(kind, body)
         placing = self._identity.place(request_id, fingerprint, body.stream, last_event_id, numbered=event_ids)
@@ -121,25 +121,30 @@ class Service:
             if placement.elsewhere is not None:
                 request_traces.note_event("attach", **{"bundle.where": "another replica"})
                 return placement.elsewhere
-            return placement.here(self._open_here(kind, body, request_id, last_event_id, event_ids=event_ids))
+            opened = self._open_here(kind, body, request_id, fingerprint, last_event_id, event_ids=event_ids)
+            return placement.here(opened)
 
     def _open_here(
         self,
         kind: Kind,
         body: OpenAIRequest,
         request_id: str | None,
+        fingerprint: str | None,
         last_event_id: int | None,
         *,
         event_ids: bool,
     ) -> Subscription:
-        """`open` on this replica's registry. Runs without awaiting on purpose: between the
-        lookup and the start nothing else can run, so two simultaneous requests with one id can
-        never start two generations. A resume (`last_event_id` given) never starts one: a fresh
-        generation under the old event ids would splice two different texts together."""
+        """`open` on this replica's registry (`fingerprint`: the body's, given with an id). Runs
+        without awaiting on purpose: between the lookup and the start nothing else can run, so
+        two simultaneous requests with one id can never start two generations. A resume
+        (`last_event_id` given) never starts one: a fresh generation under the old event ids
+        would splice two different texts together."""
         if last_event_id is not None and request_id is None:
             raise InvalidRequest("Last-Event-ID needs the X-Request-Id of the stream to resume")
         resume = last_event_id is not None
-        entry, attached = self._existing_or_new(kind, body, request_id, resume=resume, event_ids=event_ids)
+        entry, attached = self._existing_or_new(
+            kind, body, request_id, fingerprint, resume=resume, event_ids=event_ids
+        )
         after = last_event_id or 0
         if entry.output.stream:
             entry.output.events.check_resumable(after)
@@ -204,14 +209,19 @@ class Service:
 
     # --- admission ------------------------------------------------------------------------------
     def _existing_or_new(
-        self, kind: Kind, body: OpenAIRequest, request_id: str | None, *, resume: bool, event_ids: bool
+        self,
+        kind: Kind,
+        body: OpenAIRequest,
+        request_id: str | None,
+        fingerprint: str | None,
+        *,
+        resume: bool,
+        event_ids: bool,
     ) -> tuple[Entry, bool]:
-        """The generation to read, and whether it already existed (an attach, resume or replay)."""
+        """The generation to read, and whether it already existed (an attach, resume or replay).
+        Only a named request can be matched again, so only a named one has a fingerprint."""
         self.adapters.resolve(body.model)  # 404 model_not_found unless the base or a loaded adapter
-        fingerprint = None
-        if request_id is not None:
-            # Only a named request can be matched again, so only a named one pays for this.
-            fingerprint = request_fingerprint(kind, body)
+        if request_id is not None and fingerprint is not None:
             existing = self.registry.find(request_id, fingerprint)
             if existing is not None:
                 return existing, True
